@@ -1,0 +1,30 @@
+"""What every mlxpp command shares: one-line errors and their exit codes."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+from pydantic import ValidationError
+
+from mlxppd.core.errors import MlxppError
+
+
+def _flag(loc: tuple[int | str, ...]) -> str:
+    return "--" + "-".join(str(p) for p in loc).replace("_", "-") if loc else "input"
+
+
+def run_guarded(prog: str, body: Callable[[], int]) -> int:
+    """Run a command body; expected errors become one line on stderr and an exit code."""
+    try:
+        return body()
+    except MlxppError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        print(f"{prog}: error: {_flag(first['loc'])}: {first['msg']}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130

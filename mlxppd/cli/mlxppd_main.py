@@ -1,0 +1,117 @@
+"""``mlxppd``: the daemon's command line (generate, models; serve and the agent come later)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from mlxppd import __version__
+from mlxppd.cli.common import run_guarded
+
+_DESCRIPTION = """\
+mlxpp serves one MLX language model split by layers across several hosts.
+
+commands:
+  generate      run every pipeline stage in this process and stream one completion
+  models path   print the local mlx-lm directory of a model (the embedded default:
+                SmolLM2-135M-Instruct, converted from its GGUF on first use)
+"""
+
+
+def _generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="in-process pipeline generation",
+        description=(
+            "Load the model as pipeline stages in one process (each stage reads only its own "
+            "weights and keeps its own KV caches) and stream the completion to stdout. "
+            "Progress goes to stderr."
+        ),
+        epilog=(
+            'example: mlxppd generate --pp-size 2 --prompt "What is the capital of France?"\n'
+            "         mlxppd generate --pp-layers 0-0,1-28,29-29 --max-tokens 64 --json -p Hi"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("-m", "--model", help="mlx-lm model directory (default: the embedded model)")
+    p.add_argument("-p", "--prompt", required=True, help="prompt text")
+    p.add_argument("-n", "--max-tokens", type=int, default=256, help="most tokens (default 256)")
+    p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 is greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1)")
+    p.add_argument("--seed", type=int, help="random seed for sampling")
+    split = p.add_mutually_exclusive_group()
+    split.add_argument("--pp-size", type=int, help="number of stages; layers split evenly")
+    split.add_argument("--pp-layers", help='inclusive layer range per stage, e.g. "0-14,15-29"')
+    p.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
+    p.add_argument(
+        "--json", action="store_true", help='print {"tokens": [...], "text": "..."} at the end'
+    )
+
+
+def _models_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("models", help="model utilities")
+    msub = p.add_subparsers(dest="models_command", metavar="COMMAND", required=True)
+    path = msub.add_parser(
+        "path",
+        help="print a model's local directory",
+        description="Print the local mlx-lm directory of --model (default: the embedded "
+        "model, converted into the model cache on first use; progress goes to stderr).",
+    )
+    path.add_argument("-m", "--model", help="model directory or id (default: embedded)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mlxppd",
+        description=_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"mlxppd {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _generate_parser(sub)
+    _models_parser(sub)
+    return parser
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from mlxppd.core.generate_settings import GenerateSettings
+    from mlxppd.runtime.generate import run_generate
+
+    settings = GenerateSettings(
+        model=args.model,
+        prompt=args.prompt,
+        max_tokens=args.max_tokens,
+        temp=args.temp,
+        top_p=args.top_p,
+        seed=args.seed,
+        pp_size=args.pp_size,
+        pp_layers=args.pp_layers,
+        chat_template=not args.no_chat_template,
+        json_output=args.json,
+    )
+    run_generate(settings)
+    return 0
+
+
+def _models_path(args: argparse.Namespace) -> int:
+    from mlxppd.engine.model_files import resolve_model_dir
+
+    path = resolve_model_dir(args.model, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    print(path)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "generate":
+        return run_guarded("mlxppd", lambda: _generate(args))
+    if args.command == "models":
+        return run_guarded("mlxppd", lambda: _models_path(args))
+    parser.print_help(sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

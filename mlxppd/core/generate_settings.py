@@ -1,0 +1,36 @@
+"""Settings of ``mlxppd generate``: what the CLI parsed, validated, handed to the runtime."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from mlxppd.core.errors import ConfigurationError
+
+
+class GenerateSettings(BaseModel):
+    """One in-process pipeline generation."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str | None = Field(None, description="model directory or HF id; None = embedded model")
+    prompt: str = Field(..., description="the prompt text")
+    max_tokens: int = Field(256, ge=1, description="most tokens to generate (tokens)")
+    temp: float = Field(0.0, ge=0.0, description="sampling temperature; 0 is greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass (fraction)")
+    seed: int | None = Field(None, description="random seed for sampling; None = unseeded")
+    pp_size: int | None = Field(None, ge=1, description="number of stages, layers split evenly")
+    pp_layers: str | None = Field(
+        None, description="inclusive layer ranges per stage, '0-14,15-29'"
+    )
+    chat_template: bool = Field(True, description="wrap the prompt in the model's chat template")
+    json_output: bool = Field(False, description="print one JSON object instead of streaming text")
+
+    @model_validator(mode="after")
+    def _one_split_flag(self) -> GenerateSettings:
+        if self.pp_size is not None and self.pp_layers is not None:
+            raise ConfigurationError(
+                "give either --pp-size or --pp-layers, not both "
+                "(--pp-layers fixes the stage count)",
+                source="--pp-layers",
+            )
+        return self

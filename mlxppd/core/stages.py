@@ -1,0 +1,42 @@
+"""What one pipeline stage owns: a layer range plus the embedding and/or the output head."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mlxppd.core.layer_ranges import LayerRange
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """Stage ``index`` of ``num_stages`` runs global layers ``[start, end)``."""
+
+    index: int
+    num_stages: int
+    start: int
+    end: int
+
+    @property
+    def has_embedding(self) -> bool:
+        """The first stage turns token ids into hidden states."""
+        return self.index == 0
+
+    @property
+    def has_lm_head(self) -> bool:
+        """The last stage applies the final norm and the output projection."""
+        return self.index == self.num_stages - 1
+
+    @property
+    def num_layers(self) -> int:
+        return self.end - self.start
+
+    def owns_layer(self, layer: int) -> bool:
+        return self.start <= layer < self.end
+
+
+def stage_specs(ranges: tuple[LayerRange, ...]) -> tuple[StageSpec, ...]:
+    """One StageSpec per contiguous layer range, in stage order."""
+    return tuple(
+        StageSpec(index=i, num_stages=len(ranges), start=r.start, end=r.end)
+        for i, r in enumerate(ranges)
+    )

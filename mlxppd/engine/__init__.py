@@ -1,0 +1,1 @@
+"""engine layer of mlxppd (see DESIGN.md)."""

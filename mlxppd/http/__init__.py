@@ -1,0 +1,1 @@
+"""http layer of mlxppd (see DESIGN.md)."""

@@ -1,0 +1,1 @@
+"""runtime layer of mlxppd (see DESIGN.md)."""

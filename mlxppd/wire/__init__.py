@@ -1,0 +1,1 @@
+"""wire layer of mlxppd (see DESIGN.md)."""

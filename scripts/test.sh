@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Set up .venv (scripts/setup.sh), then run every check CI runs: ruff, mypy, the import-layer
+# contract, the schema freshness check and the pytest suite. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export HF_HUB_OFFLINE=1  # tests never download from a model hub
+V=.venv/bin
+echo "== ruff" >&2;          $V/ruff check . && $V/ruff format --check .
+echo "== mypy" >&2;          $V/mypy
+echo "== import layers" >&2; $V/lint-imports
+echo "== schemas" >&2;       $V/python scripts/gen_schemas.py --check
+echo "== pytest" >&2
+set +e
+$V/python -m pytest "$@"
+rc=$?
+set -e
+# pytest's 5 means it collected no test: that is a failure, never a pass.
+[ "$rc" = 5 ] && echo "test: pytest ran no test" >&2 && exit 1
+exit "$rc"

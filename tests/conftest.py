@@ -1,0 +1,90 @@
+"""Shared fixtures: the embedded real model (converted into a per-session cache) and tiny models."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model cache private to this test session (the user's ~/.cache is never touched)."""
+    return tmp_path_factory.mktemp("model-cache")
+
+
+@pytest.fixture(scope="session")
+def embedded_model_dir(model_cache: Path) -> Path:
+    from mlxppd.engine.embedded import ensure_embedded_model
+
+    return ensure_embedded_model(model_cache)
+
+
+@pytest.fixture()
+def cli_env(model_cache: Path) -> dict[str, str]:
+    """Environment for mlxppd subprocesses: the session's model cache, no hub access."""
+    env = dict(os.environ)
+    env["MLXPP_MODEL_CACHE"] = str(model_cache)
+    env["HF_HUB_OFFLINE"] = "1"
+    return env
+
+
+def write_tiny_model(
+    path: Path, config: dict[str, Any], *, quantize_bits: int | None = None, seed: int = 0
+) -> Path:
+    """A random-weight mlx-lm model directory built by mlx-lm's own model class."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten, tree_map
+    from mlx_lm.utils import _get_classes
+
+    mx.random.seed(seed)
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    # Default init makes greedy decoding collapse onto one token; larger matrices give varied
+    # continuations, so a parity test compares something.
+    model.update(tree_map(lambda p: p * 4 if p.ndim >= 2 else p, model.parameters()))
+    config = dict(config)
+    if quantize_bits is not None:
+        nn.quantize(model, group_size=32, bits=quantize_bits)
+        config["quantization"] = {"group_size": 32, "bits": quantize_bits}
+    path.mkdir(parents=True, exist_ok=True)
+    weights = {f"{k}": v for k, v in tree_flatten(model.parameters())}
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+TINY_LLAMA: dict[str, Any] = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "num_hidden_layers": 6,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": 256,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Factory: ``tiny_model(name, config, quantize_bits=None)`` -> model directory (cached)."""
+    made: dict[str, Path] = {}
+
+    def make(name: str, config: dict[str, Any], quantize_bits: int | None = None) -> Path:
+        if name not in made:
+            made[name] = write_tiny_model(
+                tmp_path_factory.mktemp(name), config, quantize_bits=quantize_bits
+            )
+        return made[name]
+
+    return make
