@@ -1,4 +1,9 @@
-"""A loaded pipeline stage: its module with only its own weights, and its accounting."""
+"""Loading one pipeline stage: mlx-lm's model for the family, pruned, with only its own weights.
+
+Every checkpoint tensor is opened lazily, the family's ``sanitize`` runs once over the whole
+(lazy) weight map, so expert stacks and split projections come out the same on every stage, and
+only the tensors the pruned model still has are ever evaluated, i.e. read from disk.
+"""
 
 from __future__ import annotations
 
@@ -12,42 +17,48 @@ from mlx.utils import tree_flatten
 
 from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.stages import StageSpec
-from mlxppd.engine.families import StageModel, family_for
+from mlxppd.engine.families import family_for
+from mlxppd.engine.families.base import StageNet
 from mlxppd.engine.model_files import load_tensors, read_config
 
 
 @dataclass
 class LoadedStage:
-    """One stage ready to run: ``model(x, cache)`` plus what it holds."""
+    """One stage ready to run: ``stage(x, cache)`` plus what it holds."""
 
     spec: StageSpec
-    model: StageModel
+    net: StageNet
     config: dict[str, Any]
     parameter_bytes: int
 
     def make_cache(self) -> list[Any]:
-        return self.model.make_cache()
+        return self.net.make_cache()
 
     def __call__(self, x: mx.array, cache: list[Any]) -> mx.array:
-        return self.model(x, cache)
+        return self.net(x, cache)
+
+
+def model_classes(config: dict[str, Any]) -> tuple[Any, Any]:
+    """mlx-lm's (Model, ModelArgs) classes for a config."""
+    from mlx_lm.utils import _get_classes
+
+    return cast(tuple[Any, Any], _get_classes(config))
 
 
 def _quant_params(
-    config: dict[str, Any],
-    global_path: str,
-    module: nn.Module,
-    weights: dict[str, mx.array],
-    local_path: str,
-) -> dict[str, Any]:
-    """Bits, group size and mode of one saved quantized module (mlx-lm's conventions)."""
-    quant = config.get("quantization") or config.get("quantization_config") or {}
-    override = quant.get(global_path)
+    config: dict[str, Any], path: str, module: nn.Module, weights: dict[str, mx.array]
+) -> dict[str, Any] | bool:
+    """mlx-lm's rule: quantize a module iff the checkpoint has its scales; read bits from shapes."""
+    if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
+        return False
+    quant = config.get("quantization") or {}
+    override = quant.get(path)
     if isinstance(override, dict):
         return dict(override)
-    scales = weights[f"{local_path}.scales"]
+    scales = weights[f"{path}.scales"]
     in_dims = module.weight.shape[-1]
     group_size = in_dims // scales.shape[-1]
-    bits = (weights[f"{local_path}.weight"].shape[-1] * 32) // in_dims
+    bits = (weights[f"{path}.weight"].shape[-1] * 32) // in_dims
     mode = quant.get("mode", "affine") if scales.dtype == mx.uint8 else "affine"
     return {"group_size": group_size, "bits": bits, "mode": mode}
 
@@ -65,27 +76,35 @@ def load_stage(
             f"but the model has layers 0-{total - 1}",
             source="--pp-layers",
         )
-    model = family.build_stage(config, spec)
-    assert isinstance(model, nn.Module)
+    family.check_split(config, spec)
 
-    raw = load_tensors(model_dir, lambda name: model.local_weight_name(name) is not None)
-    local_to_global = {str(model.local_weight_name(k)): k for k in raw}
-    local = {local_name: raw[name] for local_name, name in local_to_global.items()}
+    model_class, args_class = model_classes(config)
+    model = model_class(args_class.from_dict(config))
+    # sanitize sees the whole (lazy) map: some families decide a conversion from tensors of
+    # other layers (Qwen3.5's norm offset, Qwen3-Next's expert stacking).
+    weights = load_tensors(model_dir, lambda _name: True)
+    if hasattr(model, "sanitize"):
+        weights = model.sanitize(weights)
+    family.prune(model, spec)
 
     if config.get("quantization") or config.get("quantization_config"):
+        nn.quantize(model, class_predicate=lambda p, m: _quant_params(config, p, m, weights))
 
-        def predicate(path: str, module: nn.Module) -> bool | dict[str, Any]:
-            if not hasattr(module, "to_quantized") or f"{path}.scales" not in local:
-                return False
-            global_path = local_to_global[f"{path}.weight"][: -len(".weight")]
-            return _quant_params(config, global_path, module, local, path)
-
-        nn.quantize(model, class_predicate=predicate)
-
-    # strict: a missing tensor is a broken checkpoint or a wrong split, never silently random.
-    model.load_weights(list(local.items()), strict=True)
+    flat = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
+    expected = [name for name, _ in flat]
+    missing = [name for name in expected if name not in weights]
+    if missing:
+        raise ConfigurationError(
+            f"the checkpoint lacks {len(missing)} tensors stage {spec.index} needs "
+            f"(first: {missing[0]}); is the model directory complete?",
+            source=str(model_dir),
+        )
+    # strict: every parameter is replaced by a checkpoint tensor of the same shape.
+    model.load_weights([(name, weights[name]) for name in expected], strict=True)
     mx.eval(model.parameters())
     model.eval()
     params = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
     nbytes = sum(v.nbytes for _, v in params)
-    return LoadedStage(spec=spec, model=model, config=config, parameter_bytes=nbytes)
+    return LoadedStage(
+        spec=spec, net=StageNet(family, model, spec), config=config, parameter_bytes=nbytes
+    )
