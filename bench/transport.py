@@ -1,0 +1,395 @@
+"""One-way latency and bandwidth of the stage transports against a raw socket, in one run.
+
+    .venv/bin/python bench/transport.py [--quick]
+
+Prints a markdown table: p50/p95/p99 one-way latency and streaming bandwidth for four payloads
+that mirror real activations, over a raw unencrypted loopback socket (two baselines, below), the
+secure ``tcp`` backend and the secure ``rdma`` backend, each with its ratios to the baselines.
+
+Method. One receiver process per transport listens on 127.0.0.1; this process sends.
+
+* Latency: the sender writes ``time.perf_counter_ns()`` (CLOCK_MONOTONIC, shared by the
+  processes of a host) into the first 8 payload bytes and sends; the receiver reads the clock
+  once the whole message is in its buffer (for the secure transports: authenticated and
+  decrypted) and returns the difference in a small ack. The next message goes only after the
+  ack, so nothing queues.
+* Bandwidth: N messages back to back, one ack after the last: bytes / (ack time - start);
+  three interleaved rounds, the best one counts.
+* Receivers reuse one buffer per connection, as a stage does before it wraps the bytes in an
+  mx.array: ``recv_into`` for raw, ``recv(into=...)`` for the secure transports.
+* Two baselines, both unencrypted length-prefixed frames from a blocking sender: ``raw``
+  receives with blocking sockets (the cheapest way Python moves bytes), ``raw-asyncio`` on an
+  event loop with ``recv_into`` a preallocated buffer (the cheapest way asyncio does, and the
+  I/O model mlxppd runs on). The ratio to ``raw-asyncio`` is what the secure protocol costs.
+* Payloads and transports are interleaved, so a noisy neighbour slows every row alike; the
+  sender and the receivers are pinned to different CPUs.
+
+Goals: decode-step p50 <= 1.5x the raw baseline; prefill bandwidth >= 50% of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import secrets
+import socket
+import struct
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from mlxppd.wire.backends import create_transport
+from mlxppd.wire.channel import SecureChannel
+from mlxppd.wire.codec import MessageKind
+from mlxppd.wire.errors import ChannelClosedError
+from mlxppd.wire.limits import FrameLimits
+from mlxppd.wire.rdma import RdmaTransport
+from mlxppd.wire.secret import load_cluster_secret
+from mlxppd.wire.transport import WireConfig
+
+RAW_HEADER = struct.Struct("<II")  # payload length, mode
+LATENCY, STREAM, STREAM_LAST = 0, 1, 2
+STAMP = struct.Struct("<q")
+LIMITS = FrameLimits(max_frame_bytes=64 * 1024 * 1024)
+#: raw: blocking sockets on both ends; raw-asyncio: the same bytes, received on an asyncio loop
+#: (recv_into a preallocated buffer, as cheap as asyncio gets); tcp, rdma: the secure backends.
+BACKENDS = ("raw", "raw-asyncio", "tcp", "rdma")
+BASELINES = ("raw", "raw-asyncio")
+
+
+@dataclass(frozen=True)
+class Payload:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    latency_runs: int
+    stream_count: int
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
+
+
+PAYLOADS = [
+    Payload("RPC message (256 B)", (256,), "uint8", 1500, 3000),
+    Payload("decode step 1x1x4096 fp16 (8 KiB)", (1, 1, 4096), "float16", 1500, 3000),
+    Payload("prefill 1x512x4096 fp16 (4 MiB)", (1, 512, 4096), "float16", 100, 80),
+    Payload("hand-off 4x1024x4096 fp16 (32 MiB)", (4, 1024, 4096), "float16", 25, 12),
+]
+
+
+def wire_config(node: str) -> WireConfig:
+    # The secret travels to the receivers in MLXPP_CLUSTER_SECRET, the third lookup source.
+    return WireConfig("bench", node, load_cluster_secret(environ=os.environ), limits=LIMITS)
+
+
+# -- receivers (one child process per transport) -----------------------------------------------
+
+
+def receive_raw() -> None:
+    server = socket.create_server(("127.0.0.1", 0))
+    print(server.getsockname()[1], flush=True)
+    conn, _ = server.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buf = bytearray(LIMITS.max_frame_bytes)
+    view = memoryview(buf)
+    head = bytearray(RAW_HEADER.size)
+
+    def fill(target: memoryview) -> bool:
+        while target:
+            n = conn.recv_into(target)
+            if n == 0:
+                return False
+            target = target[n:]
+        return True
+
+    while fill(memoryview(head)):
+        length, mode = RAW_HEADER.unpack(head)
+        if not fill(view[:length]):
+            return
+        arrived = time.perf_counter_ns()
+        if mode == LATENCY:
+            conn.sendall(STAMP.pack(arrived - STAMP.unpack_from(buf)[0]))
+        elif mode == STREAM_LAST:
+            conn.sendall(STAMP.pack(0))
+
+
+class _RawProtocol(asyncio.BufferedProtocol):
+    """The raw baseline on an event loop: frames land by recv_into in one preallocated buffer."""
+
+    def __init__(self, finished: asyncio.Event):
+        self.finished = finished
+        self.buf = bytearray(LIMITS.max_frame_bytes + RAW_HEADER.size)
+        self.view = memoryview(self.buf)
+        self.have = 0
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.view[self.have :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.have += nbytes
+        while self.have >= RAW_HEADER.size:
+            length, mode = RAW_HEADER.unpack_from(self.buf)
+            end = RAW_HEADER.size + length
+            if self.have < end:
+                return
+            arrived = time.perf_counter_ns()
+            assert self.transport is not None
+            if mode == LATENCY:
+                sent = STAMP.unpack_from(self.buf, RAW_HEADER.size)[0]
+                self.transport.write(STAMP.pack(arrived - sent))
+            elif mode == STREAM_LAST:
+                self.transport.write(STAMP.pack(0))
+            self.view[: self.have - end] = self.view[end : self.have]
+            self.have -= end
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.finished.set()
+
+
+async def receive_raw_asyncio() -> None:
+    finished = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(lambda: _RawProtocol(finished), "127.0.0.1", 0)
+    print(server.sockets[0].getsockname()[1], flush=True)
+    await finished.wait()
+    server.close()
+
+
+async def receive_secure(backend: str) -> None:
+    finished = asyncio.Event()
+
+    async def handler(channel: SecureChannel) -> None:
+        buf = bytearray(LIMITS.max_frame_bytes)
+        try:
+            while True:
+                message = await channel.recv(into=buf)
+                arrived = time.perf_counter_ns()
+                mode = message.meta["m"]
+                if mode == LATENCY:
+                    sent = STAMP.unpack_from(buf)[0]
+                    await channel.send(MessageKind.REPLY, {"ns": arrived - sent})
+                elif mode == STREAM_LAST:
+                    await channel.send(MessageKind.REPLY, {"ns": 0})
+        except ChannelClosedError:
+            finished.set()
+
+    transport = create_transport(backend, wire_config("receiver"))
+    async with await transport.listen("127.0.0.1", 0, handler) as listener:
+        print(listener.address[1], flush=True)
+        await finished.wait()
+
+
+# -- senders -----------------------------------------------------------------------------------
+
+
+class RawSender:
+    def __init__(self, port: int):
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.ack = bytearray(STAMP.size)
+
+    def _send(self, data: np.ndarray, mode: int) -> None:
+        self.sock.sendmsg([RAW_HEADER.pack(data.nbytes, mode), data.data.cast("B")])
+
+    def _ack(self) -> int:
+        view = memoryview(self.ack)
+        while view:
+            view = view[self.sock.recv_into(view) :]
+        return int(STAMP.unpack(self.ack)[0])
+
+    async def latency(self, data: np.ndarray) -> int:
+        _stamp(data)
+        self._send(data, LATENCY)
+        return self._ack()
+
+    async def stream(self, data: np.ndarray, count: int) -> float:
+        start = time.perf_counter()
+        for i in range(count):
+            self._send(data, STREAM_LAST if i == count - 1 else STREAM)
+        self._ack()
+        return time.perf_counter() - start
+
+    async def close(self) -> None:
+        self.sock.close()
+
+
+class SecureSender:
+    def __init__(self, channel: SecureChannel):
+        self.channel = channel
+
+    async def latency(self, data: np.ndarray) -> int:
+        _stamp(data)
+        await self.channel.send(MessageKind.ACTIVATION, {"m": LATENCY}, data)
+        return int((await self.channel.recv()).meta["ns"])
+
+    async def stream(self, data: np.ndarray, count: int) -> float:
+        start = time.perf_counter()
+        for i in range(count):
+            mode = STREAM_LAST if i == count - 1 else STREAM
+            await self.channel.send(MessageKind.ACTIVATION, {"m": mode}, data)
+        await self.channel.recv()
+        return time.perf_counter() - start
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+def _stamp(data: np.ndarray) -> None:
+    STAMP.pack_into(data.data.cast("B"), 0, time.perf_counter_ns())
+
+
+# -- the run -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    latencies_us: list[float]
+    bandwidth: float  # bytes per second
+
+
+def percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(np.array(values), q))
+
+
+async def measure(quick: bool) -> tuple[dict[tuple[str, str], Row], str]:
+    env = dict(os.environ, MLXPP_CLUSTER_SECRET=secrets.token_hex(32))
+    os.environ["MLXPP_CLUSTER_SECRET"] = env["MLXPP_CLUSTER_SECRET"]
+    children = {
+        b: subprocess.Popen(
+            [sys.executable, __file__, "--receive", b],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for b in BACKENDS
+    }
+    senders: dict[str, RawSender | SecureSender] = {}
+    probe = ""
+    try:
+        for backend, child in children.items():
+            assert child.stdout is not None
+            port = int(child.stdout.readline())
+            if backend in BASELINES:
+                senders[backend] = RawSender(port)
+                continue
+            transport = create_transport(backend, wire_config("sender"))
+            if isinstance(transport, RdmaTransport):
+                probe = transport.probe().reason
+            senders[backend] = SecureSender(await transport.connect("127.0.0.1", port))
+        rows: dict[tuple[str, str], Row] = {}
+        scale = 0.2 if quick else 1.0
+        for payload in PAYLOADS:
+            data = np.ones(payload.shape, dtype=payload.dtype)
+            runs = max(5, int(payload.latency_runs * scale))
+            count = max(3, int(payload.stream_count * scale))
+            latencies: dict[str, list[float]] = {b: [] for b in BACKENDS}
+            for _ in range(3):  # warm-up: page in buffers, grow socket windows
+                for b in BACKENDS:
+                    await senders[b].latency(data)
+            # Interleave the transports message by message: drift hits them alike.
+            for _ in range(runs):
+                for b in BACKENDS:
+                    latencies[b].append((await senders[b].latency(data)) / 1000)
+            best = {b: float("inf") for b in BACKENDS}
+            for _ in range(3):  # interleaved rounds; the best one is the least disturbed
+                for b in BACKENDS:
+                    best[b] = min(best[b], await senders[b].stream(data, count))
+            for b in BACKENDS:
+                rows[(payload.name, b)] = Row(latencies[b], payload.nbytes * count / best[b])
+        return rows, probe
+    finally:
+        for sender in senders.values():
+            with contextlib.suppress(Exception):
+                await sender.close()
+        for child in children.values():
+            try:
+                child.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                child.kill()
+
+
+def render(rows: dict[tuple[str, str], Row], probe: str) -> str:
+    lines = [
+        "| payload | transport | p50 µs | p95 µs | p99 µs | p50 vs raw | p50 vs raw-asyncio "
+        "| MiB/s | MiB/s vs raw | MiB/s vs raw-asyncio |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for payload in PAYLOADS:
+        p50s = {b: percentile(rows[(payload.name, b)].latencies_us, 50) for b in BACKENDS}
+        for b in BACKENDS:
+            row = rows[(payload.name, b)]
+            bw = {base: row.bandwidth / rows[(payload.name, base)].bandwidth for base in BASELINES}
+            p95, p99 = (percentile(row.latencies_us, q) for q in (95, 99))
+            lines.append(
+                f"| {payload.name} | {b} | {p50s[b]:.1f} | {p95:.1f} | {p99:.1f} "
+                f"| {p50s[b] / p50s['raw']:.2f}x | {p50s[b] / p50s['raw-asyncio']:.2f}x "
+                f"| {row.bandwidth / 2**20:.0f} | {bw['raw']:.0%} | {bw['raw-asyncio']:.0%} |"
+            )
+    decode, prefill = PAYLOADS[1].name, PAYLOADS[2].name
+    lines.append("")
+    for b in ("tcp", "rdma"):
+        for base in BASELINES:
+            ratio = percentile(rows[(decode, b)].latencies_us, 50) / percentile(
+                rows[(decode, base)].latencies_us, 50
+            )
+            share = rows[(prefill, b)].bandwidth / rows[(prefill, base)].bandwidth
+            lines.append(
+                f"- {b} vs {base}: decode-step p50 {ratio:.2f}x (goal <= 1.5x: "
+                f"{'met' if ratio <= 1.5 else 'MISSED'}); prefill bandwidth {share:.0%} "
+                f"(goal >= 50%: {'met' if share >= 0.5 else 'MISSED'})"
+            )
+    lines.append(f"- rdma probe on this host: {probe or 'not run'}")
+    return "\n".join(lines)
+
+
+def pin(cpu_index: int) -> None:
+    """Keep sender and receivers on different CPUs, when there are two or more.
+
+    Otherwise the kernel may wake a receiver on the sender's CPU, and the receiver's work then
+    shows up as the sender's send time: the more a transport does per message, the more it
+    would be penalised twice.
+    """
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cpus) >= 2:
+        os.sched_setaffinity(0, {cpus[cpu_index % len(cpus)]})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a fifth of the iterations")
+    parser.add_argument("--receive", choices=BACKENDS, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    pin(1 if args.receive else 0)
+    if args.receive == "raw":
+        receive_raw()
+        return 0
+    if args.receive == "raw-asyncio":
+        asyncio.run(receive_raw_asyncio())
+        return 0
+    if args.receive:
+        asyncio.run(receive_secure(args.receive))
+        return 0
+    started = time.perf_counter()
+    load_before = os.getloadavg()[0]
+    rows, probe = asyncio.run(measure(args.quick))
+    print(render(rows, probe))
+    print(
+        f"- run: {time.perf_counter() - started:.0f} s on {os.cpu_count()} CPUs, load average "
+        f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after (other work skews the numbers)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

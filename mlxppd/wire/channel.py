@@ -1,0 +1,300 @@
+"""An established secure channel: send and receive codec messages in AES-GCM records.
+
+One channel per connection, created by a transport once the handshake accepted it. Sends from
+many tasks are serialized (the record sequence numbers must follow wire order); receives are for
+one task at a time. Every
+frame that fails a check is counted in ``WireStats.rejected_frames``, logged once with the peer
+address, and closes the connection; the exception then tells the caller what happened.
+
+Small records are sealed and opened in one call. Large ones are streamed in ``chunk_size``
+pieces: the cipher reads the tensor straight from its own memory into the stream's send buffer,
+and on receipt decrypts straight into the memory the tensor will live in (``recv(into=...)``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+from mlxppd.wire.codec import (
+    Message,
+    MessageAssembler,
+    MessageKind,
+    Tensor,
+    as_tensor,
+    decode_message,
+    encode,
+)
+from mlxppd.wire.errors import ChannelClosedError, FrameError, RejectReason
+from mlxppd.wire.limits import FrameLimits
+from mlxppd.wire.record import (
+    RECORD_HEADER,
+    TAG_SIZE,
+    RecordOpener,
+    RecordSealer,
+    RecordType,
+    parse_record_header,
+)
+from mlxppd.wire.stats import WireStats
+from mlxppd.wire.streams import ByteStream, StreamEOF
+
+__all__ = ["SMALL_RECORD_BYTES", "SecureChannel", "read_small_record"]
+
+log = logging.getLogger(__name__)
+
+#: Records up to this size (header + ciphertext + tag) are sealed and opened in one call;
+#: larger ones are streamed piece by piece.
+SMALL_RECORD_BYTES = 64 * 1024
+#: Plaintext bound of the records that are not messages (verdict, close).
+_CONTROL_RECORD_MAX = 1024
+_GOODBYE_TIMEOUT_S = 1.0
+
+
+async def read_small_record(
+    stream: ByteStream, opener: RecordOpener, limits: FrameLimits
+) -> tuple[RecordType, bytes]:
+    """Read and open one record that must be small (a verdict or a goodbye)."""
+    header = bytes(await _read_or_truncated(stream, RECORD_HEADER.size, at_boundary=True))
+    rtype, length = parse_record_header(header, limits)
+    if length > _CONTROL_RECORD_MAX:  # whatever its type, nothing larger is expected here
+        raise FrameError(RejectReason.LENGTH_EXCEEDS_MAX, f"{rtype.name} record of {length} B")
+    sealed = await _read_or_truncated(stream, length + TAG_SIZE, at_boundary=False)
+    plain = bytearray(length)
+    opener.open_into(header, sealed, memoryview(plain))
+    return rtype, bytes(plain)
+
+
+async def _read_or_truncated(
+    stream: ByteStream, n: int, *, at_boundary: bool
+) -> bytes | memoryview:
+    try:
+        return await stream.read_exactly(n)
+    except StreamEOF as eof:
+        if at_boundary and eof.received == 0:
+            raise ChannelClosedError(
+                f"peer {stream.peer} closed the connection without a goodbye", clean=False
+            ) from None
+        raise FrameError(RejectReason.TRUNCATED, "the connection ended inside a record") from None
+
+
+class SecureChannel:
+    """Authenticated, encrypted, ordered messages to one peer node."""
+
+    def __init__(
+        self,
+        stream: ByteStream,
+        sealer: RecordSealer,
+        opener: RecordOpener,
+        *,
+        limits: FrameLimits,
+        stats: WireStats,
+        local_node_id: str,
+        peer_node_id: str,
+        peer_rdma_version: int = 0,
+    ):
+        self._stream = stream
+        self._sealer = sealer
+        self._opener = opener
+        self._limits = limits
+        self._stats = stats
+        self.local_node_id = local_node_id
+        self.peer_node_id = peer_node_id
+        self.peer_rdma_version = peer_rdma_version
+        self._send_lock = asyncio.Lock()
+        self._receiving = False
+        self._in_record = False  # a read failing now cuts a record short
+        self._closed = False
+
+    @property
+    def peer_address(self) -> str:
+        """The peer's ``host:port`` as this connection sees it."""
+        return self._stream.peer
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __repr__(self) -> str:
+        return f"SecureChannel(peer={self.peer_node_id!r} at {self.peer_address})"
+
+    # -- sending ------------------------------------------------------------------------------
+
+    async def send(
+        self,
+        kind: MessageKind,
+        meta: Mapping[str, Any] | None = None,
+        tensor: Tensor | object | None = None,
+    ) -> None:
+        """Send one message; ``tensor`` is a Tensor or any C-contiguous buffer (not copied)."""
+        encoded = encode(kind, meta, None if tensor is None else as_tensor(tensor), self._limits)
+        async with self._send_lock:
+            self._check_open()
+            try:
+                await self._send_record(RecordType.MESSAGE, encoded.head, encoded.payload)
+            except (ConnectionError, OSError) as exc:
+                self._abort()
+                raise ChannelClosedError(
+                    f"connection to {self._describe()} lost while sending: {exc}", clean=False
+                ) from None
+
+    async def _send_record(self, rtype: RecordType, head: bytes, payload: memoryview) -> None:
+        length = len(head) + payload.nbytes
+        total = RECORD_HEADER.size + length + TAG_SIZE
+        if total <= SMALL_RECORD_BYTES:
+            out = self._stream.scratch(total)
+            self._sealer.seal_into(rtype, (head, payload), out)
+            await self._stream.write((out,))
+            return
+        # Streamed: each piece is encrypted into the stream's send buffer and written while
+        # it is still in cache; the record header rides along with the first piece, the tag
+        # with the last, as one scatter-gather write each.
+        seal = self._sealer.start(rtype, length)
+        left = length
+        prefix: list[bytes | memoryview] = [seal.header]
+        buf = self._stream.scratch(min(self._stream.chunk_size, left))
+        pos = 0
+        for piece in (memoryview(head), payload):
+            off = 0
+            while off < len(piece):
+                n = min(len(buf) - pos, len(piece) - off)
+                seal.update_into(piece[off : off + n], buf[pos : pos + n])
+                pos += n
+                off += n
+                if pos == len(buf):
+                    left -= pos
+                    tail = [seal.finish()] if left == 0 else []
+                    await self._stream.write([*prefix, buf, *tail])
+                    prefix = []
+                    if left:
+                        buf = self._stream.scratch(min(self._stream.chunk_size, left))
+                        pos = 0
+
+    # -- receiving ----------------------------------------------------------------------------
+
+    async def recv(self, *, into: object | None = None) -> Message:
+        """The next message. Its tensor bytes land in ``into`` when that writable buffer is
+        large enough (e.g. one reused per stage), else in fresh memory of the exact size.
+
+        Raises ``ChannelClosedError`` when the peer closed, ``FrameError`` (after closing the
+        connection) when a frame was rejected. One receiver at a time: the records of one
+        direction form one sequence.
+        """
+        if self._closed:
+            raise ChannelClosedError(f"the channel to {self._describe()} is closed", clean=True)
+        if self._receiving:
+            raise RuntimeError("another task is already receiving on this channel")
+        self._receiving = True
+        self._in_record = False
+        try:
+            return await self._recv_message(into)
+        except (StreamEOF, FrameError, ChannelClosedError) as exc:
+            if self._closed:  # this node closed the channel while a receive was waiting
+                raise ChannelClosedError(
+                    f"the channel to {self._describe()} was closed by this node", clean=True
+                ) from None
+            raise self._receive_failed(exc) from None
+        finally:
+            self._receiving = False
+
+    def _receive_failed(self, exc: Exception) -> Exception:
+        """Count, log and close for a failed receive; the exception to raise."""
+        if isinstance(exc, StreamEOF):
+            if self._in_record or exc.received:
+                exc = FrameError(RejectReason.TRUNCATED, "the connection ended inside a record")
+            else:
+                exc = ChannelClosedError(
+                    f"{self._describe()} closed the connection without a goodbye", clean=False
+                )
+        if isinstance(exc, FrameError):
+            self._reject(exc)
+        else:
+            self._abort()
+        return exc
+
+    def __aiter__(self) -> AsyncIterator[Message]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[Message]:
+        """Messages until the peer says goodbye; a dropped connection raises."""
+        while True:
+            try:
+                yield await self.recv()
+            except ChannelClosedError as exc:
+                if exc.clean:
+                    return
+                raise
+
+    async def _recv_message(self, into: object | None) -> Message:
+        # Hot path of every decode step: kept flat, one await per read.
+        stream = self._stream
+        header = bytes(await stream.read_exactly(RECORD_HEADER.size))
+        self._in_record = True
+        rtype, length = parse_record_header(header, self._limits)
+        if rtype is not RecordType.MESSAGE:
+            if length > _CONTROL_RECORD_MAX:
+                raise FrameError(RejectReason.LENGTH_EXCEEDS_MAX, f"{rtype.name} of {length} B")
+            sealed = await stream.read_exactly(length + TAG_SIZE)
+            self._opener.open_into(header, sealed, memoryview(bytearray(length)))
+            if rtype is RecordType.CLOSE:
+                raise ChannelClosedError(f"{self._describe()} closed the channel", clean=True)
+            raise FrameError(RejectReason.UNEXPECTED_RECORD, f"a {rtype.name} record")
+        if RECORD_HEADER.size + length + TAG_SIZE <= SMALL_RECORD_BYTES:
+            sealed = await stream.read_exactly(length + TAG_SIZE)
+            plain = bytearray(length)
+            self._opener.open_into(header, sealed, memoryview(plain))
+            return decode_message(plain, self._limits, into=into)
+        opening = self._opener.start(header)
+        assembler = MessageAssembler(length, self._limits, into=into)
+
+        def decrypt(chunk: memoryview) -> None:
+            off = 0
+            while off < len(chunk):
+                window = assembler.window()
+                n = min(len(window), len(chunk) - off)
+                opening.update_into(chunk[off : off + n], window[:n])
+                assembler.advance(n)
+                off += n
+
+        await stream.read_through(length, decrypt)
+        tag = bytes(await stream.read_exactly(TAG_SIZE))
+        opening.finish(tag)  # only now is anything the assembler holds trusted
+        return assembler.finish()
+
+    # -- closing ------------------------------------------------------------------------------
+
+    async def close(self) -> None:
+        """Say goodbye (an authenticated close record) and close the connection."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(_GOODBYE_TIMEOUT_S), self._send_lock:
+                await self._send_record(RecordType.CLOSE, b"", memoryview(b""))
+        self._stream.close()
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(_GOODBYE_TIMEOUT_S):
+                await self._stream.wait_closed()
+
+    def _abort(self) -> None:
+        self._closed = True
+        self._stream.close()
+
+    def _reject(self, exc: FrameError) -> None:
+        self._stats.rejected_frames[exc.reason] += 1
+        log.warning(
+            "wire: rejected a frame from %s (%s): %s; closing the connection",
+            self._describe(),
+            exc.reason,
+            exc.detail,
+        )
+        self._abort()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ChannelClosedError(f"the channel to {self._describe()} is closed", clean=True)
+
+    def _describe(self) -> str:
+        return f"node '{self.peer_node_id}' at {self.peer_address}"
