@@ -18,10 +18,16 @@ class GenerateSettings(BaseModel):
     temp: float = Field(0.0, ge=0.0, description="sampling temperature; 0 is greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass (fraction)")
     seed: int | None = Field(None, description="random seed for sampling; None = unseeded")
-    pp_size: int | None = Field(None, ge=1, description="number of stages, layers split evenly")
+    pp_size: int | None = Field(
+        None, ge=1, description="number of stages; layers balanced by parameter bytes"
+    )
     pp_layers: str | None = Field(
         None, description="inclusive layer ranges per stage, '0-14,15-29'"
     )
+    stage_memory: str | None = Field(
+        None, description="memory budget per stage, '64GiB,16GiB'; one size for all stages"
+    )
+    verbose: bool = Field(False, description="log the partition quality report once loaded")
     chat_template: bool = Field(True, description="wrap the prompt in the model's chat template")
     json_output: bool = Field(False, description="print one JSON object instead of streaming text")
 

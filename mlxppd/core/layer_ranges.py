@@ -1,19 +1,25 @@
-"""Per-stage layer ranges: parsing ``--pp-layers``, even splits, and formatting.
+"""Per-stage layer ranges: parsing ``--pp-layers``, even splits, adjacency checks, formatting.
 
 Users write inclusive ranges ("0-14,15-29", one per stage, in stage order); the code works with
 half-open ``LayerRange(start, end)`` values so that counts and slicing need no ``+ 1``.
+
+Some layers must share a stage: a Gemma 4 KV-shared layer reads the cache that an earlier layer
+wrote, so a stage boundary between the two would strand that cache on the wrong host. Such a pair
+is an ``AdjacencyGroup``; no stage may start strictly inside it.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mlxppd.core.errors import ConfigurationError
 
 __all__ = [
+    "AdjacencyGroup",
     "LayerRange",
+    "check_adjacency",
     "check_layer_ranges",
     "even_split",
     "format_pp_layers",
@@ -56,6 +62,33 @@ class LayerRange:
 
     def __str__(self) -> str:
         return f"{self.start}-{self.last}"
+
+
+@dataclass(frozen=True, order=True)
+class AdjacencyGroup:
+    """Layers ``first`` (the source) to ``last`` (the consumer), inclusive, must share one stage.
+
+    A stage may start at ``first`` or after ``last``, never at ``first + 1 .. last``.
+    """
+
+    first: int
+    last: int
+    #: why the layers belong together, for messages ("layer 34 reads the KV cache of layer 14");
+    #: not part of the group's identity
+    reason: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if self.first < 0 or self.last <= self.first:
+            raise ValueError(
+                f"AdjacencyGroup needs 0 <= first < last, got first={self.first}, last={self.last}"
+            )
+
+    def is_cut_by(self, stage_start: int) -> bool:
+        """Whether a stage starting at layer ``stage_start`` would separate source and consumer."""
+        return self.first < stage_start <= self.last
+
+    def __str__(self) -> str:
+        return f"{self.first}..{self.last}"
 
 
 def _describe_layers(start: int, end: int) -> str:
@@ -140,14 +173,50 @@ def check_layer_ranges(ranges: Sequence[LayerRange], num_layers: int | None = No
         )
 
 
-def parse_pp_layers(text: str, num_layers: int) -> tuple[LayerRange, ...]:
+def check_adjacency(ranges: Sequence[LayerRange], groups: Iterable[AdjacencyGroup]) -> None:
+    """Check that no stage boundary of ``ranges`` falls inside an adjacency group.
+
+    Raises ValueError naming the (source, consumer) pair the first offending boundary separates
+    and the nearest boundaries that keep every group together.
+    """
+    groups = tuple(groups)
+
+    def blocked(start: int) -> bool:
+        return any(g.is_cut_by(start) for g in groups)
+
+    for a, b in zip(ranges, ranges[1:], strict=False):
+        cut = sorted(g for g in groups if g.is_cut_by(b.start))
+        if not cut:
+            continue
+        group = cut[0]
+        why = f" ({group.reason})" if group.reason else ""
+        more = f" and {len(cut) - 1} more pair(s)" if len(cut) > 1 else ""
+        below = next((s for s in range(b.start - 1, a.start, -1) if not blocked(s)), None)
+        above = next((s for s in range(b.start + 1, b.end) if not blocked(s)), None)
+        options = [f"layer {s}" for s in (below, above) if s is not None]
+        fix = (
+            f"start stage '{b}' at {' or '.join(options)} instead"
+            if options
+            else "merge the two stages or move a neighbouring boundary"
+        )
+        raise ValueError(
+            f"the boundary between '{a}' and '{b}' separates layer {group.first} from layer "
+            f"{group.last}{why}{more}; a source and its consumer must be on one stage: {fix}"
+        )
+
+
+def parse_pp_layers(
+    text: str, num_layers: int, groups: Iterable[AdjacencyGroup] = ()
+) -> tuple[LayerRange, ...]:
     """Parse ``--pp-layers`` ("0-14,15-29": inclusive, one per stage) for a model of ``num_layers``.
 
+    ``groups`` are the model's adjacency groups; a boundary inside one is refused.
     Raises ConfigurationError(source="--pp-layers") with one sentence naming the problem.
     """
     try:
         ranges = _split_ranges(text)
         check_layer_ranges(ranges, num_layers)
+        check_adjacency(ranges, tuple(groups))
     except ValueError as exc:
         raise ConfigurationError(str(exc), source=_PP_LAYERS) from None
     return ranges

@@ -12,10 +12,19 @@ from typing import TextIO
 
 import mlx.core as mx
 
+from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.generate_settings import GenerateSettings
-from mlxppd.core.layer_ranges import LayerRange, even_split, format_pp_layers, parse_pp_layers
+from mlxppd.core.layer_ranges import format_pp_layers, parse_pp_layers
+from mlxppd.core.model_profile import ModelProfile, profile_from_config
+from mlxppd.core.partition import (
+    PartitionPlan,
+    balance_layers,
+    parse_stage_memory,
+    plan_layers,
+)
+from mlxppd.core.partition_quality import quality_report
 from mlxppd.core.stages import StageSpec, stage_specs
-from mlxppd.engine.families import family_for
+from mlxppd.engine.families import family_for, single_process_reason
 from mlxppd.engine.model_files import read_config, resolve_model_dir
 from mlxppd.engine.pipeline import InProcessPipeline, make_sampler
 from mlxppd.engine.stage import LoadedStage, load_stage
@@ -33,11 +42,29 @@ class GenerateResult:
     decode_tokens_per_s: float = 0.0
 
 
-def resolve_ranges(settings: GenerateSettings, num_layers: int) -> tuple[LayerRange, ...]:
-    """The stage layer ranges the flags ask for (one stage when neither flag is given)."""
+def plan_stages(
+    settings: GenerateSettings, profile: ModelProfile, refusal: str | None = None
+) -> PartitionPlan:
+    """The plan the flags ask for: ``--pp-layers`` as given (validated, adjacency included),
+    otherwise the auto partitioner over ``--pp-size`` stages (one when neither is given).
+
+    ``refusal`` (default: the profile's) says why the model cannot be split; asking for more
+    than one stage of such a model is an error."""
+    refusal = refusal or profile.pipeline_refusal
+    budgets = None
     if settings.pp_layers is not None:
-        return parse_pp_layers(settings.pp_layers, num_layers)
-    return even_split(num_layers, settings.pp_size or 1)
+        ranges = parse_pp_layers(settings.pp_layers, profile.num_layers, profile.adjacency_groups)
+        if refusal and len(ranges) > 1:
+            raise ConfigurationError(refusal, source="--pp-layers")
+        if settings.stage_memory is not None:
+            budgets = parse_stage_memory(settings.stage_memory, len(ranges))
+        return plan_layers(profile, ranges, budgets)
+    num_stages = settings.pp_size or 1
+    if refusal and num_stages > 1:
+        raise ConfigurationError(refusal, source="--pp-size")
+    if settings.stage_memory is not None:
+        budgets = parse_stage_memory(settings.stage_memory, num_stages)
+    return balance_layers(profile, num_stages, budgets)
 
 
 def load_pipeline(model_dir: Path, specs: tuple[StageSpec, ...], log: Log) -> InProcessPipeline:
@@ -63,9 +90,21 @@ def run_generate(
     model_dir = resolve_model_dir(settings.model, progress=say)
     config = read_config(model_dir)
     num_layers = family_for(config).num_layers(config)
-    ranges = resolve_ranges(settings, num_layers)
-    say(f"model {model_dir} ({num_layers} layers), stages {format_pp_layers(ranges)}")
-    pipeline = load_pipeline(model_dir, stage_specs(ranges), say)
+    profile = profile_from_config(config)
+    if profile.num_layers != num_layers:
+        raise RuntimeError(
+            f"the model profile counts {profile.num_layers} layers but the stage executor "
+            f"builds {num_layers}; the profile of model_type {profile.model_type!r} is wrong"
+        )
+    plan = plan_stages(settings, profile, single_process_reason(config))
+    how = "auto-partitioned by bytes" if plan.auto else "from --pp-layers"
+    say(f"model {model_dir} ({num_layers} layers), stages {format_pp_layers(plan.ranges)} ({how})")
+    for warning in plan.warnings:
+        say(f"warning: {warning}")
+    pipeline = load_pipeline(model_dir, stage_specs(plan.ranges), say)
+    if settings.verbose:
+        loaded = [stage.parameter_bytes for stage in pipeline.stages]
+        say(quality_report(plan).with_actual(loaded).format())
     tokenizer = load_tokenizer(model_dir)
     prompt = encode_prompt(tokenizer, settings.prompt, chat_template=settings.chat_template)
     if settings.seed is not None:
