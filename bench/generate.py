@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rates: dict[str, list[float]] = {name: [] for name in runners}
     outputs: dict[str, list[int]] = {}
-    for name, run in runners.items():  # warm-up: compile kernels, touch every weight once
+    for run in runners.values():  # warm-up: compile kernels, touch every weight once
         decode_rate(run(), args.max_tokens)
     for rep in range(args.repeats):
         for name, run in runners.items():

@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from mlxppd import __version__
+from mlxppd.cli import serve_command
 from mlxppd.cli.common import run_guarded
 
 _DESCRIPTION = """\
@@ -41,8 +42,24 @@ def _generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1)")
     p.add_argument("--seed", type=int, help="random seed for sampling")
     split = p.add_mutually_exclusive_group()
-    split.add_argument("--pp-size", type=int, help="number of stages; layers split evenly")
+    split.add_argument(
+        "--pp-size",
+        type=int,
+        help="number of stages; layers are balanced by parameter bytes (auto partitioner)",
+    )
     split.add_argument("--pp-layers", help='inclusive layer range per stage, e.g. "0-14,15-29"')
+    p.add_argument(
+        "--stage-memory",
+        metavar="SIZES",
+        help="memory budget per stage, e.g. 8GiB,4GiB (one size: every stage); the auto "
+        "partitioner keeps each stage within it, --pp-layers plans are checked against it",
+    )
+    p.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="log the partition quality report (estimated vs loaded bytes per stage)",
+    )
     p.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
     p.add_argument(
         "--json", action="store_true", help='print {"tokens": [...], "text": "..."} at the end'
@@ -71,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _generate_parser(sub)
     _models_parser(sub)
+    serve_command.register(sub)
     return parser
 
 
@@ -87,6 +105,8 @@ def _generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         pp_size=args.pp_size,
         pp_layers=args.pp_layers,
+        stage_memory=args.stage_memory,
+        verbose=args.verbose,
         chat_template=not args.no_chat_template,
         json_output=args.json,
     )
@@ -109,6 +129,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_guarded("mlxppd", lambda: _generate(args))
     if args.command == "models":
         return run_guarded("mlxppd", lambda: _models_path(args))
+    func = getattr(args, "func", None)
+    if func is not None:
+        code = run_guarded("mlxppd", lambda: int(func(args)))
+        if args.command == "serve":
+            serve_command.exit_now(code)
+        return code
     parser.print_help(sys.stderr)
     return 2
 

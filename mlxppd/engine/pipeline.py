@@ -7,29 +7,16 @@ token is read) so that greedy output is token-identical to single-process mlx-lm
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
 import mlx.core as mx
 
+from mlxppd.engine.sampling import Sampler, greedy, make_sampler  # noqa: F401  (re-export)
 from mlxppd.engine.stage import LoadedStage
 
-Sampler = Callable[[mx.array], mx.array]
 PREFILL_STEP_SIZE = 2048
-
-
-def greedy(logprobs: mx.array) -> mx.array:
-    return mx.argmax(logprobs, axis=-1)
-
-
-def make_sampler(temp: float, top_p: float) -> Sampler:
-    """Greedy at temperature 0, otherwise mlx-lm's sampler (so both agree on semantics)."""
-    if temp <= 0:
-        return greedy
-    from mlx_lm.sample_utils import make_sampler as mlx_lm_sampler
-
-    return mlx_lm_sampler(temp=temp, top_p=top_p if 0 < top_p < 1 else 0.0)
 
 
 @dataclass(frozen=True)

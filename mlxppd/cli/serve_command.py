@@ -1,0 +1,153 @@
+"""``mlxppd serve``: flags into NodeOptions, then the runtime for the node's role."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from pathlib import Path
+
+from mlxppd.core.errors import ConfigurationError
+
+_EPILOG = """\
+roles:
+  mlxppd serve --pp-size 2                      local cluster: 2 stage processes on loopback
+                                                (fresh secret) and the coordinator here
+  mlxppd serve --distributed-config cluster.toml --node-id ID
+                                                one node of a multi-host cluster: the
+                                                coordinator (role hybrid) serves HTTP, a
+                                                pipeline_stage node serves its layers
+  mlxppd serve                                  every stage in this process
+
+examples:
+  mlxppd serve --pp-size 2 --port 8080
+  mlxppd serve --pp-size 2 --once "What is the capital of France?"
+"""
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve the model (OpenAI-compatible HTTP API on the coordinator)",
+        description="Serve a model split into pipeline stages. The coordinator serves the "
+        "OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models, /health) "
+        "and drives the stages over the authenticated, encrypted transport.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("-m", "--model", help="mlx-lm model directory (default: the embedded model)")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="HTTP port (default 8080; 0: any)")
+    split = p.add_mutually_exclusive_group()
+    split.add_argument("--pp-size", type=int, help="stages of a local cluster (>= 2)")
+    split.add_argument("--pp-layers", help='inclusive layer range per stage, "0-14,15-29"')
+    p.add_argument("--distributed-config", type=Path, help="cluster TOML of a multi-host cluster")
+    p.add_argument("--node-id", help="this node's id in --distributed-config")
+    p.add_argument("--cluster-secret-file", help="file holding the cluster secret (>= 16 bytes)")
+    p.add_argument(
+        "--kv-budget-bytes", type=int, help="KV cache budget of each stage, bytes (default: none)"
+    )
+    p.add_argument(
+        "--parallel", type=int, default=64, help="most sequences in flight per stage (default 64)"
+    )
+    p.add_argument(
+        "--pp-micro-batch-size",
+        type=int,
+        default=1,
+        help="sequences per micro-batch (default 1: each sequence is its own micro-batch)",
+    )
+    p.add_argument("--no-warmup", action="store_true", help="skip the warm-up request at start")
+    p.add_argument("--alias", help="model name reported by /v1/models (default: directory name)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument(
+        "--once",
+        metavar="PROMPT",
+        help="start, send PROMPT as one chat request over HTTP, print the answer, stop",
+    )
+    p.add_argument("--max-tokens", type=int, default=64, help="max_tokens for --once (default 64)")
+    p.add_argument("--ready-file", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--log-level", default="INFO", help="log level (default INFO)")
+    p.set_defaults(func=run)
+
+
+def exit_now(code: int) -> None:
+    """Leave without interpreter teardown, once everything is closed and flushed.
+
+    A process that ran mlx on a worker thread can abort in mlx's native thread cleanup during
+    teardown; a served process has nothing left to tear down, so it skips it.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run(args: argparse.Namespace) -> int:
+    from mlxppd.core.layer_ranges import parse_pp_layers
+    from mlxppd.core.model_profile import profile_from_config
+    from mlxppd.core.partition import balance_layers
+    from mlxppd.engine.families import single_process_reason
+    from mlxppd.engine.model_files import read_config, resolve_model_dir
+    from mlxppd.http.server import run_coordinator_node, run_inprocess, run_local_cluster
+    from mlxppd.runtime.serve import NodeOptions, run_stage_node
+
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    if args.pp_micro_batch_size != 1:
+        raise ConfigurationError(
+            "micro-batches of more than one sequence are not supported yet; "
+            "each sequence is its own micro-batch (use 1)",
+            source="--pp-micro-batch-size",
+        )
+    if args.parallel < 1:
+        raise ConfigurationError("must be at least 1", source="--parallel")
+    options = NodeOptions(
+        model=args.model,
+        cluster_file=args.distributed_config or Path("."),
+        node_id=args.node_id or "",
+        secret_file=args.cluster_secret_file,
+        host=args.host,
+        port=args.port,
+        kv_budget_bytes=args.kv_budget_bytes,
+        max_sequences=args.parallel,
+        warmup=not args.no_warmup,
+        alias=args.alias,
+        api_key=args.api_key,
+        ready_file=args.ready_file,
+        once_prompt=args.once,
+        once_max_tokens=args.max_tokens,
+    )
+    if args.distributed_config is not None:
+        if args.pp_size is not None or args.pp_layers is not None:
+            raise ConfigurationError(
+                "the cluster TOML fixes the stages; drop --pp-size/--pp-layers",
+                source="--distributed-config",
+            )
+        if not args.node_id:
+            raise ConfigurationError("--node-id is required with --distributed-config")
+        from mlxppd.core.cluster_config import NodeRole, load_cluster_config
+
+        node = load_cluster_config(args.distributed_config).find_node(args.node_id)
+        if node is not None and node.role is not NodeRole.HYBRID:
+            return asyncio.run(run_stage_node(options))
+        return asyncio.run(run_coordinator_node(options))
+
+    model_dir = resolve_model_dir(args.model)
+    config = read_config(model_dir)
+    profile = profile_from_config(config)
+    if args.pp_layers is not None:
+        ranges = parse_pp_layers(args.pp_layers, profile.num_layers, profile.adjacency_groups)
+    else:
+        # The auto partitioner: balanced bytes, no stage boundary inside an adjacency group.
+        ranges = balance_layers(profile, args.pp_size or 1).ranges
+    refusal = single_process_reason(config) or profile.pipeline_refusal
+    if refusal and len(ranges) > 1:
+        raise ConfigurationError(refusal, source="--pp-size/--pp-layers")
+    options = NodeOptions(**{**options.__dict__, "model": str(model_dir)})
+    if len(ranges) >= 2:
+        return run_local_cluster(options, ranges)
+    return asyncio.run(run_inprocess(options, model_dir))

@@ -1,0 +1,128 @@
+"""Per-stage KV cache accounting and coordinated admission (dry run everywhere, then commit).
+
+A sequence is admitted only if every stage can hold its KV cache for the whole request
+(prompt plus the most tokens it may generate); otherwise nothing is committed anywhere and the
+rejecting stage's diagnostic says why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class RejectReason(StrEnum):
+    MEMORY = "memory"
+    SEQUENCE_CAP = "sequence_cap"
+    ALREADY_CACHED = "already_cached"
+    REJECTED_BY_STAGE = "rejected_by_stage"
+
+
+@dataclass(frozen=True)
+class AdmissionRequest:
+    sequence_id: str
+    prompt_tokens: int
+    max_new_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.max_new_tokens
+
+
+@dataclass(frozen=True)
+class AdmissionDiagnostic:
+    """Why a stage said no, with its accounting at that moment (bytes)."""
+
+    stage_index: int
+    reason: RejectReason
+    required_bytes: int
+    used_memory_bytes: int
+    budget_bytes: int
+    active_sequences: int
+
+    @property
+    def available_bytes(self) -> int:
+        return max(0, self.budget_bytes - self.used_memory_bytes)
+
+    def message(self) -> str:
+        if self.reason is RejectReason.MEMORY:
+            return (
+                f"stage {self.stage_index} has {self.available_bytes} of {self.budget_bytes} KV "
+                f"bytes free but this request needs {self.required_bytes}; shorten the prompt or "
+                "max_tokens, or retry when other requests finish"
+            )
+        if self.reason is RejectReason.SEQUENCE_CAP:
+            return (
+                f"stage {self.stage_index} already holds {self.active_sequences} sequences, its "
+                "limit; retry shortly"
+            )
+        if self.reason is RejectReason.ALREADY_CACHED:
+            return f"stage {self.stage_index} already holds this sequence id"
+        return f"stage {self.stage_index} refused the sequence"
+
+
+@dataclass
+class StageKvManager:
+    """The KV budget of one stage: ``bytes_per_token`` covers every layer the stage owns."""
+
+    stage_index: int
+    budget_bytes: int
+    bytes_per_token: int
+    max_sequences: int = 1 << 30
+    reserved: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(self.reserved.values())
+
+    def required_bytes(self, request: AdmissionRequest) -> int:
+        return request.total_tokens * self.bytes_per_token
+
+    def dry_run(self, request: AdmissionRequest) -> AdmissionDiagnostic | None:
+        """None if the request fits now; otherwise the reason it does not."""
+        required = self.required_bytes(request)
+        reason = None
+        if request.sequence_id in self.reserved:
+            reason = RejectReason.ALREADY_CACHED
+        elif len(self.reserved) >= self.max_sequences:
+            reason = RejectReason.SEQUENCE_CAP
+        elif self.used_bytes + required > self.budget_bytes:
+            reason = RejectReason.MEMORY
+        if reason is None:
+            return None
+        return AdmissionDiagnostic(
+            stage_index=self.stage_index,
+            reason=reason,
+            required_bytes=required,
+            used_memory_bytes=self.used_bytes,
+            budget_bytes=self.budget_bytes,
+            active_sequences=len(self.reserved),
+        )
+
+    def commit(self, request: AdmissionRequest) -> None:
+        problem = self.dry_run(request)
+        if problem is not None:
+            raise ValueError(problem.message())
+        self.reserved[request.sequence_id] = self.required_bytes(request)
+
+    def release(self, sequence_id: str) -> bool:
+        """Free a sequence's reservation; False if the stage did not hold it."""
+        return self.reserved.pop(sequence_id, None) is not None
+
+    @property
+    def usage_fraction(self) -> float:
+        return self.used_bytes / self.budget_bytes if self.budget_bytes else 1.0
+
+
+def coordinated_admission(
+    managers: Sequence[StageKvManager], request: AdmissionRequest
+) -> AdmissionDiagnostic | None:
+    """Dry-run on every stage; commit on all only if all accept. None means admitted."""
+    for manager in managers:
+        problem = manager.dry_run(request)
+        if problem is not None:
+            return problem
+    for manager in managers:
+        manager.commit(request)
+    return None

@@ -1,0 +1,75 @@
+"""The metadata of the pipeline's messages, validated on arrival (frozen pydantic models).
+
+The wire layer bounds and authenticates bytes; these models bound meaning: a message whose
+metadata does not parse is a protocol violation, and its connection is closed.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+SeqId = Annotated[str, Field(min_length=1, max_length=128)]
+
+
+class _Meta(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ForwardMeta(_Meta):
+    """ACTIVATION: run the stage's layers on this input for one sequence."""
+
+    seq: SeqId
+    step: int = Field(ge=0, description="request-local step number (0 = first prefill chunk)")
+    sample: bool = Field(description="last stage: sample a token from the last position")
+    logprobs: bool = Field(False, description="last stage: also return the token's logprob")
+
+
+class TokenMeta(_Meta):
+    """TOKENS: the token the last stage sampled for a sequence."""
+
+    seq: SeqId
+    step: int = Field(ge=0)
+    logprob: float | None = None
+
+
+class Admit(_Meta):
+    op: Literal["admit"] = "admit"
+    rid: int = Field(ge=0, description="request id echoed in the reply")
+    seq: SeqId
+    prompt_tokens: int = Field(ge=1, le=1 << 24)
+    max_tokens: int = Field(ge=1, le=1 << 24)
+    commit: bool = Field(description="false: dry run only; true: reserve the KV bytes")
+    temperature: float = Field(0.0, ge=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+
+
+class Release(_Meta):
+    op: Literal["release"] = "release"
+    seq: SeqId
+
+
+class Configure(_Meta):
+    """Tell a stage where its output goes (None on the last stage: back to the sender)."""
+
+    op: Literal["configure"] = "configure"
+    rid: int = Field(ge=0)
+    next_host: str | None = Field(None, max_length=255)
+    next_port: int | None = Field(None, ge=1, le=65535)
+    next_node: str | None = Field(None, max_length=128)
+
+
+class Status(_Meta):
+    op: Literal["status"] = "status"
+    rid: int = Field(ge=0)
+
+
+Control = Annotated[Admit | Release | Configure | Status, Field(discriminator="op")]
+_CONTROL: TypeAdapter[Admit | Release | Configure | Status] = TypeAdapter(Control)
+
+
+def parse_control(meta: Any) -> Admit | Release | Configure | Status:
+    """A CONTROL message's metadata as its typed command (pydantic ValidationError if bad)."""
+    return _CONTROL.validate_python(dict(meta))

@@ -1,0 +1,99 @@
+"""OpenAI-style error bodies: ``{"error": {"message", "type", "param", "code", ...}}``.
+
+Handlers raise ``ApiError``; the app's middleware turns it (and the backend's own errors) into
+a JSON response, or into a final SSE event once a stream has started.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from mlxppd.runtime.backend import AdmissionRejected, BackendUnavailable
+
+INVALID_REQUEST = "invalid_request_error"
+
+#: seconds a client should wait before retrying a 503 (KV frees as soon as a request ends)
+ADMISSION_RETRY_AFTER_S = 1
+UNAVAILABLE_RETRY_AFTER_S = 5
+
+
+class ApiError(Exception):
+    """An error the client caused or can act on; ``status`` is the HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = INVALID_REQUEST,
+        param: str | None = None,
+        code: str | None = None,
+        extra: dict[str, Any] | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.extra = extra or {}
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        error: dict[str, Any] = {
+            "message": self.message,
+            "type": self.type,
+            "param": self.param,
+            "code": self.code,
+        }
+        error.update(self.extra)
+        return {"error": error}
+
+
+def invalid(message: str, param: str | None, code: str | None = None) -> ApiError:
+    """A 400 naming the request field at fault."""
+    return ApiError(400, message, param=param, code=code)
+
+
+def from_backend_error(exc: BaseException) -> ApiError:
+    """The API error for a backend failure (admission, unavailable) or an unexpected one."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, AdmissionRejected):
+        d = exc.diagnostic
+        return ApiError(
+            503,
+            str(exc),
+            type="server_overloaded",
+            code="kv_admission_rejected",
+            extra={
+                "stage": d.stage_index,
+                "reason": str(d.reason),
+                "used_bytes": d.used_memory_bytes,
+                "budget_bytes": d.budget_bytes,
+                "available_bytes": d.available_bytes,
+                "active_sequences": d.active_sequences,
+                "required_bytes": d.required_bytes,
+            },
+            headers={"Retry-After": str(ADMISSION_RETRY_AFTER_S)},
+        )
+    if isinstance(exc, BackendUnavailable):
+        return ApiError(
+            503,
+            str(exc) or "the model pipeline is not available",
+            type="service_unavailable",
+            code="backend_unavailable",
+            headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)},
+        )
+    # The exception text may carry internals; the log has it under the request id.
+    return ApiError(500, "internal server error", type="server_error", code="internal_error")
+
+
+def error_response(error: ApiError, request_id: str | None = None) -> web.Response:
+    headers = dict(error.headers)
+    if request_id:
+        headers["X-Request-Id"] = request_id
+    return web.json_response(error.body(), status=error.status, headers=headers)

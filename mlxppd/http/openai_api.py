@@ -1,0 +1,421 @@
+"""The OpenAI-compatible HTTP API over any ``GenerationBackend`` (coordinator or in-process).
+
+``create_app`` builds an aiohttp application with /v1/chat/completions, /v1/completions,
+/v1/models and /health. It holds no global state: everything lives on the app object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from aiohttp import web
+
+from mlxppd.http.completion import ClientGone, Generation, Piece, TokenInfo
+from mlxppd.http.errors import ApiError, error_response, from_backend_error, invalid
+from mlxppd.http.responses import Shape
+from mlxppd.http.sse import SseWriter
+from mlxppd.http.validation import ParsedRequest, parse_chat, parse_completion, parse_json_body
+from mlxppd.runtime.backend import (
+    AdmissionRejected,
+    BackendUnavailable,
+    GenerationBackend,
+    SamplingParams,
+)
+
+log = logging.getLogger("mlxppd.http")
+
+T = TypeVar("T")
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_MAX_TOKENS = 512
+#: tokenizers report ~1e30 when they do not know the context; above this we treat it as unknown
+_CONTEXT_SANITY = 10_000_000
+FALLBACK_MAX_PROMPT_TOKENS = 32_768
+
+
+@dataclass
+class _State:
+    backend: GenerationBackend
+    model_name: str
+    api_key: bytes | None
+    context_tokens: int | None
+    default_max_tokens: int
+    max_body_bytes: int
+    created: int = field(default_factory=lambda: int(time.time()))
+    #: one thread: tokenizing a 4 MiB prompt must not stall the event loop, and one worker
+    #: keeps HF tokenizers from being mutated from two threads at once
+    tokenize: ThreadPoolExecutor | None = None
+
+    def context(self) -> int | None:
+        if self.context_tokens is not None:
+            return self.context_tokens
+        known = getattr(self.backend.tokenizer, "model_max_length", None)
+        if isinstance(known, int) and 0 < known < _CONTEXT_SANITY:
+            return known
+        return None
+
+
+STATE = web.AppKey("mlxpp_openai_state", _State)
+
+
+@dataclass
+class _RequestLog:
+    """What the per-request log line reports, filled in by the handler."""
+
+    request_id: str
+    tokens: tuple[int, int] | None = None
+    note: str | None = None
+
+
+# aiohttp >= 3.13 wants typed request keys; older versions take a plain string.
+_LOG: Any = (
+    web.RequestKey("mlxpp_request_log", _RequestLog)
+    if hasattr(web, "RequestKey")
+    else "mlxpp_request_log"
+)
+
+
+def _log_of(request: web.Request) -> _RequestLog:
+    info: _RequestLog = request[_LOG]
+    return info
+
+
+def create_app(
+    backend: GenerationBackend,
+    *,
+    api_key: str | None = None,
+    alias: str | None = None,
+    max_context_tokens: int | None = None,
+    default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> web.Application:
+    """The OpenAI API app.
+
+    ``api_key``: when set, /v1/* needs ``Authorization: Bearer <key>``; /health stays open.
+    ``alias``: the model name clients see (default ``backend.model_id``).
+    ``max_context_tokens``: prompt + max_tokens limit (default: the tokenizer's
+    ``model_max_length`` when it is a real number, else prompts are capped at 32768 tokens).
+    ``default_max_tokens``: chat completions without max_tokens (completions default to 16).
+    """
+    if api_key is not None and not api_key:
+        raise ValueError("api_key must not be empty; pass None to disable authentication")
+    state = _State(
+        backend=backend,
+        model_name=alias or backend.model_id,
+        api_key=api_key.encode() if api_key is not None else None,
+        context_tokens=max_context_tokens,
+        default_max_tokens=default_max_tokens,
+        max_body_bytes=max_body_bytes,
+    )
+    app = web.Application(client_max_size=max_body_bytes, middlewares=[_middleware])
+    app[STATE] = state
+    app.cleanup_ctx.append(_tokenizer_thread)
+    app.router.add_post("/v1/chat/completions", _chat_completions)
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/v1/models/{model:.+}", _model)
+    app.router.add_get("/health", _health)
+    return app
+
+
+async def _tokenizer_thread(app: web.Application) -> AsyncIterator[None]:
+    state = app[STATE]
+    state.tokenize = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxpp-tokenize")
+    yield
+    state.tokenize.shutdown(wait=False, cancel_futures=True)
+    state.tokenize = None
+
+
+async def _off_loop(state: _State, fn: Callable[[], T]) -> T:
+    return await asyncio.get_running_loop().run_in_executor(state.tokenize, fn)
+
+
+# --- middleware: request id, auth, errors, one log line per request ---
+
+
+def _authorized(state: _State, request: web.Request) -> bool:
+    if state.api_key is None or not request.path.startswith("/v1/"):
+        return True
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    return hmac.compare_digest(token.strip().encode(), state.api_key)
+
+
+@web.middleware
+async def _middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    state = request.app[STATE]
+    request_id = f"req-{uuid.uuid4().hex[:20]}"
+    info = _RequestLog(request_id)
+    request[_LOG] = info
+    started = time.perf_counter()
+    status = 500
+    try:
+        if not _authorized(state, request):
+            raise ApiError(
+                401,
+                "missing or incorrect API key; send 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        response = await handler(request)
+        if not response.prepared:
+            response.headers["X-Request-Id"] = request_id
+        status = response.status
+        return response
+    except ApiError as exc:
+        status = exc.status
+        return error_response(exc, request_id)
+    except (AdmissionRejected, BackendUnavailable) as exc:
+        error = from_backend_error(exc)
+        status = error.status
+        return error_response(error, request_id)
+    except web.HTTPException as exc:  # unknown route, wrong method: same error shape
+        status = exc.status
+        error = ApiError(exc.status, exc.reason, code=exc.reason.lower().replace(" ", "_"))
+        return error_response(error, request_id)
+    except ClientGone:
+        status = 499  # nginx's "client closed request"; nothing reaches the client
+        return web.Response(status=499)
+    except asyncio.CancelledError:
+        status = 499
+        raise
+    except Exception:
+        log.exception("%s %s %s failed", request_id, request.method, request.path)
+        return error_response(from_backend_error(RuntimeError()), request_id)
+    finally:
+        tokens, note = info.tokens, info.note
+        log.info(
+            "%s %s %s %d %.3fs%s%s",
+            request_id,
+            request.method,
+            request.path,
+            status,
+            time.perf_counter() - started,
+            f" prompt_tokens={tokens[0]} completion_tokens={tokens[1]}" if tokens else "",
+            f" ({note})" if note else "",
+        )
+
+
+# --- models and health ---
+
+
+def _model_card(state: _State) -> dict[str, Any]:
+    return {
+        "id": state.model_name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "mlxpp",
+    }
+
+
+async def _models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [_model_card(request.app[STATE])]})
+
+
+async def _model(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    name = request.match_info["model"]
+    if name not in (state.model_name, state.backend.model_id):
+        raise ApiError(
+            404, f"the model '{name}' does not exist", param="model", code="model_not_found"
+        )
+    return web.json_response(_model_card(state))
+
+
+async def _health(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    health = state.backend.health()
+    body = {
+        "status": "ok" if health.ready else "unavailable",
+        "model": state.model_name,
+        "detail": health.detail,
+        "stages": list(health.stages),
+    }
+    return web.json_response(body, status=200 if health.ready else 503)
+
+
+# --- completions ---
+
+
+async def _read_json(request: web.Request) -> dict[str, Any]:
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app[STATE].max_body_bytes
+        raise ApiError(
+            413, f"the request body is larger than {limit} bytes", code="request_too_large"
+        ) from None
+    return parse_json_body(raw)
+
+
+def _check_model(state: _State, model: str | None) -> None:
+    if model is not None and model not in (state.model_name, state.backend.model_id):
+        raise ApiError(
+            404,
+            f"the model '{model}' does not exist; this server serves '{state.model_name}'",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _tokenizer(state: _State) -> Any:
+    tokenizer = state.backend.tokenizer
+    if tokenizer is None:
+        raise BackendUnavailable("the model is still loading; retry shortly")
+    return tokenizer
+
+
+async def _chat_completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    parsed = parse_chat(await _read_json(request))
+    _check_model(state, parsed.model)
+    tokenizer = _tokenizer(state)
+    if not (getattr(tokenizer, "has_chat_template", None) or tokenizer.chat_template):
+        raise invalid("this model has no chat template; use /v1/completions", "messages")
+    messages = [dict(m) for m in parsed.messages or ()]
+
+    def render() -> list[int]:
+        return [int(t) for t in tokenizer.apply_chat_template(messages, add_generation_prompt=True)]
+
+    try:
+        prompt = await _off_loop(state, render)
+    except Exception as exc:  # the template rejects the conversation (e.g. roles out of order)
+        raise invalid(f"the chat template rejected the messages: {exc}", "messages") from None
+    return await _generate(request, state, parsed, prompt, chat=True)
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    parsed = parse_completion(await _read_json(request))
+    _check_model(state, parsed.model)
+    tokenizer = _tokenizer(state)
+    text_or_ids = parsed.prompt
+    if isinstance(text_or_ids, str):
+        text = text_or_ids
+        prompt = await _off_loop(state, lambda: [int(t) for t in tokenizer.encode(text)])
+    else:
+        prompt = list(text_or_ids or [])
+        vocab = len(tokenizer)
+        if any(t >= vocab for t in prompt):
+            raise invalid(f"token ids must be below the vocabulary size {vocab}", "prompt")
+    return await _generate(request, state, parsed, prompt, chat=False)
+
+
+def _max_tokens(state: _State, parsed: ParsedRequest, n_prompt: int, chat: bool) -> int:
+    """The request's max_tokens after checking prompt and completion against the context."""
+    param = "messages" if chat else "prompt"
+    if n_prompt == 0:
+        raise invalid("the prompt is empty", param)
+    context = state.context()
+    if context is None:
+        if n_prompt > FALLBACK_MAX_PROMPT_TOKENS:
+            raise invalid(
+                f"the prompt has {n_prompt} tokens; this server takes at most "
+                f"{FALLBACK_MAX_PROMPT_TOKENS}",
+                param,
+                "context_length_exceeded",
+            )
+        return parsed.max_tokens or state.default_max_tokens
+    if n_prompt >= context:
+        raise invalid(
+            f"this model's maximum context length is {context} tokens, but the prompt has "
+            f"{n_prompt}",
+            param,
+            "context_length_exceeded",
+        )
+    if parsed.max_tokens is None:
+        return min(state.default_max_tokens, context - n_prompt)
+    if n_prompt + parsed.max_tokens > context:
+        raise invalid(
+            f"this model's maximum context length is {context} tokens; the prompt has "
+            f"{n_prompt} and max_tokens asks for {parsed.max_tokens} more",
+            "max_tokens",
+            "context_length_exceeded",
+        )
+    return parsed.max_tokens
+
+
+async def _generate(
+    request: web.Request, state: _State, parsed: ParsedRequest, prompt: list[int], *, chat: bool
+) -> web.StreamResponse:
+    params = SamplingParams(
+        max_tokens=_max_tokens(state, parsed, len(prompt), chat),
+        temperature=parsed.temperature,
+        top_p=parsed.top_p,
+        seed=parsed.seed,
+        logprobs=parsed.logprobs,
+    )
+
+    def gone() -> bool:
+        transport = request.transport
+        return transport is None or transport.is_closing()
+
+    gen = Generation(
+        state.backend,
+        state.backend.tokenizer,
+        _log_of(request).request_id,
+        prompt,
+        params,
+        parsed.stop,
+        is_gone=gone,
+    )
+    shape = Shape(chat, state.model_name, parsed.logprobs)
+    try:
+        await gen.start()
+        if parsed.stream:
+            return await _stream(request, gen, shape, parsed.include_usage)
+        pieces = gen.pieces()
+        tokens: list[TokenInfo] = []
+        try:
+            async for piece in pieces:
+                tokens.extend(piece.tokens)
+        finally:
+            await pieces.aclose()
+        return web.json_response(shape.complete(gen, tokens))
+    finally:
+        await gen.close()
+        _log_of(request).tokens = (gen.prompt_tokens, gen.completion_tokens)
+
+
+async def _stream(
+    request: web.Request, gen: Generation, shape: Shape, include_usage: bool
+) -> web.StreamResponse:
+    sse = await SseWriter.open(request, {"X-Request-Id": _log_of(request).request_id})
+    pieces = gen.pieces()
+    try:
+        if chat_start := shape.role_chunk(include_usage):
+            await sse.event(chat_start)
+        async for piece in pieces:
+            if piece.text or piece.tokens:
+                await sse.event(shape.chunk(piece, None, include_usage))
+        await sse.event(shape.chunk(Piece(""), gen.finish_reason, include_usage))
+        if include_usage:
+            await sse.event(shape.usage_chunk(gen))
+        await sse.done()
+    except ClientGone:
+        _log_of(request).note = "client closed the stream"
+    except Exception as exc:
+        # Headers are gone already: the error becomes the stream's last event, so the client
+        # sees a failure rather than a silent end.
+        error = from_backend_error(exc)
+        if error.status >= 500 and not isinstance(exc, AdmissionRejected | BackendUnavailable):
+            log.exception("%s stream failed", _log_of(request).request_id)
+        _log_of(request).note = f"stream ended by error: {error.message}"
+        try:
+            await sse.event(error.body())
+            await sse.close()
+        except ClientGone:
+            pass
+    finally:
+        await pieces.aclose()
+    return sse.response

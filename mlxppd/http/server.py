@@ -1,0 +1,146 @@
+"""Serving the OpenAI API for a node: the coordinator of a cluster, or every stage in-process.
+
+This composes the runtime's backends with the HTTP application; ``--once`` sends one chat
+request through that same HTTP API and prints the answer (the demo and a smoke test).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from mlxppd.core.errors import ConfigurationError
+from mlxppd.core.layer_ranges import LayerRange
+from mlxppd.engine.families import family_for
+from mlxppd.engine.model_files import read_config
+from mlxppd.http.openai_api import create_app
+from mlxppd.runtime.backend import GenerationBackend
+from mlxppd.runtime.inprocess_backend import InProcessBackend
+from mlxppd.runtime.local_cluster import LocalCluster
+from mlxppd.runtime.mlx_thread import MlxThread
+from mlxppd.runtime.serve import NodeOptions, start_coordinator, stop_event, write_ready
+
+log = logging.getLogger("mlxppd.serve")
+
+
+async def serve_http(
+    backend: GenerationBackend,
+    options: NodeOptions,
+    on_ready: Callable[[str], None] | None = None,
+    stop: asyncio.Event | None = None,
+) -> None:
+    from aiohttp import web
+
+    app = create_app(backend, api_key=options.api_key, alias=options.alias)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, options.host, options.port)
+    await site.start()
+    # port 0 asks the OS for a free port; read back which one it chose
+    server: Any = site._server
+    sockets = server.sockets if server is not None else []
+    port = sockets[0].getsockname()[1] if sockets else options.port
+    url = f"http://{options.host}:{port}"
+    log.info("coordinator: OpenAI API on %s/v1", url)
+    try:
+        write_ready(options.ready_file, url + "\n")
+        if on_ready is not None:
+            on_ready(url)
+        await (stop or stop_event()).wait()
+    finally:
+        await runner.cleanup()
+
+
+async def run_coordinator_node(options: NodeOptions) -> int:
+    coordinator = await start_coordinator(options)
+    try:
+        if options.once_prompt is not None:
+            await ask_once(coordinator, options)
+            return 0
+        await serve_http(coordinator, options)
+        return 0
+    finally:
+        await coordinator.close()
+
+
+async def ask_once(backend: GenerationBackend, options: NodeOptions) -> None:
+    """Serve HTTP, send one chat request to it, print the answer, stop (the demo / smoke test)."""
+    import aiohttp
+
+    stop = asyncio.Event()
+    answer: dict[str, Any] = {}
+
+    async def client(url: str) -> None:
+        body = {
+            "model": options.alias or backend.model_id,
+            "messages": [{"role": "user", "content": options.once_prompt}],
+            "max_tokens": options.once_max_tokens,
+            "temperature": 0,
+        }
+        headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}
+        try:
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(f"{url}/v1/chat/completions", json=body, headers=headers) as response,
+            ):
+                answer.update(await response.json())
+                answer["_status"] = response.status
+        finally:
+            stop.set()
+
+    tasks: list[asyncio.Task[None]] = []
+
+    def on_ready(url: str) -> None:
+        print(f"POST {url}/v1/chat/completions: {options.once_prompt}", file=sys.stderr)
+        tasks.append(asyncio.create_task(client(url), name="once-client"))
+
+    await serve_http(backend, options, on_ready=on_ready, stop=stop)
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    if answer.get("_status") != 200:
+        raise ConfigurationError(f"the chat request failed: {answer}")
+    print(answer["choices"][0]["message"]["content"])
+
+
+async def run_inprocess(options: NodeOptions, model_dir: Path) -> int:
+    """Every stage in this process (no cluster): the same HTTP API over one process."""
+    config = read_config(model_dir)
+    ranges = ((0, family_for(config).num_layers(config)),)
+    mlx = MlxThread("mlx")
+    try:
+        backend = InProcessBackend(
+            model_dir,
+            tuple(LayerRange(a, b) for a, b in ranges),
+            mlx,
+            options.alias or model_dir.name,
+            kv_budget_bytes=options.kv_budget_bytes,
+            max_sequences=options.max_sequences,
+        )
+        await backend.start()
+        if options.once_prompt is not None:
+            await ask_once(backend, options)
+        else:
+            await serve_http(backend, options)
+        return 0
+    finally:
+        mlx.close()
+
+
+def run_local_cluster(template: NodeOptions, ranges: tuple[LayerRange, ...]) -> int:
+    """Start the stages, then the coordinator here; stop everything on exit or failure."""
+    if len(ranges) < 2:
+        raise ConfigurationError("a local cluster needs at least 2 stages", source="--pp-size")
+    cluster = LocalCluster(template.model, ranges, template.kv_budget_bytes)
+    try:
+        cluster.start_stages()
+        return asyncio.run(run_coordinator_node(cluster.node_options(template)))
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        cluster.stop()

@@ -1,0 +1,297 @@
+"""The coordinator: drives the pipeline of remote stages; runs no stage itself.
+
+It connects to every stage in ascending order, tells each where its output goes, and then
+serves requests: coordinated KV admission (dry run on every stage, then commit), the prompt into
+stage 0 (all but the last token as prefill, as mlx-lm does, then one step per token), and the
+sampled tokens back from the last stage. Every active sequence has its own step in flight, so
+with several requests all stages work at once. A lost stage fails every open request and turns
+the health check red.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mlxppd.core.cluster_config import ClusterConfig, Node
+from mlxppd.core.errors import TemporaryError
+from mlxppd.core.kv_admission import AdmissionDiagnostic, RejectReason
+from mlxppd.core.pipeline_messages import TokenMeta
+from mlxppd.runtime.backend import (
+    AdmissionRejected,
+    BackendUnavailable,
+    Health,
+    SamplingParams,
+    TokenEvent,
+)
+from mlxppd.wire.channel import SecureChannel
+from mlxppd.wire.codec import MessageKind
+from mlxppd.wire.errors import ChannelClosedError, FrameError
+from mlxppd.wire.transport import Transport
+
+log = logging.getLogger("mlxppd.coordinator")
+
+PREFILL_STEP_SIZE = 2048
+REPLY_TIMEOUT_S = 30.0
+
+
+@dataclass
+class _StageLink:
+    node: Node
+    channel: SecureChannel
+    reader: asyncio.Task[None] | None = None
+    alive: bool = True
+
+
+class _Broken:
+    """Put into a sequence's queue when the pipeline breaks under it."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+class Coordinator:
+    def __init__(
+        self,
+        cluster: ClusterConfig,
+        transport: Transport,
+        tokenizer: Any,
+        model_id: str,
+        *,
+        connect_timeout_s: float = 60.0,
+    ) -> None:
+        self.cluster = cluster
+        self.transport = transport
+        self._tokenizer = tokenizer
+        self._model_id = model_id
+        self._connect_timeout_s = connect_timeout_s
+        self._links: list[_StageLink] = []
+        self._replies: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._queues: dict[str, asyncio.Queue[TokenEvent | _Broken]] = {}
+        self._rid = itertools.count()
+        self._seq = itertools.count()
+        self._ready = False
+        self._broken: str | None = None
+        self._status: list[dict[str, Any]] = []
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self, *, warmup: bool = True) -> None:
+        for node in self.cluster.stage_nodes():
+            channel = await self._connect(node)
+            link = _StageLink(node, channel)
+            link.reader = asyncio.create_task(self._read(link), name=f"read-{node.id}")
+            self._links.append(link)
+        nodes = [link.node for link in self._links]
+        for i, link in enumerate(self._links):
+            nxt = nodes[i + 1] if i + 1 < len(nodes) else None
+            reply = await self._request(
+                link,
+                {
+                    "op": "configure",
+                    "next_host": nxt.host if nxt else None,
+                    "next_port": nxt.port if nxt else None,
+                    "next_node": nxt.id if nxt else None,
+                },
+            )
+            if not reply.get("ok"):
+                raise TemporaryError(
+                    f"stage {link.node.id} could not reach stage {nxt.id if nxt else '?'}: "
+                    f"{reply.get('error')}"
+                )
+        if warmup:
+            prompt = [int(t) for t in self._tokenizer.encode("Hello")] or [0]
+            async for _ in self.generate("warmup", prompt, SamplingParams(max_tokens=2)):
+                pass
+        self._ready = True
+        log.info("coordinator: %d stages connected and warm", len(self._links))
+
+    async def _connect(self, node: Node) -> SecureChannel:
+        deadline = asyncio.get_running_loop().time() + self._connect_timeout_s
+        while True:
+            try:
+                return await self.transport.connect(node.host, node.port, expected_peer=node.id)
+            except TemporaryError:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise
+                await asyncio.sleep(0.2)
+
+    async def close(self) -> None:
+        self._ready = False
+        for link in self._links:
+            if link.reader is not None:
+                link.reader.cancel()
+            await link.channel.close()
+        for link in self._links:
+            if link.reader is not None:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await link.reader
+        self._links.clear()
+
+    # -- GenerationBackend ---------------------------------------------------------------------
+
+    @property
+    def model_id(self) -> str:
+        return self._model_id
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    def health(self) -> Health:
+        stages = tuple(
+            {"stage": i, "node": link.node.id, "address": link.node.address, "alive": link.alive}
+            for i, link in enumerate(self._links)
+        )
+        if self._broken is not None:
+            return Health(ready=False, detail=self._broken, stages=stages)
+        if not self._ready:
+            return Health(
+                ready=False, detail="starting: connecting and warming stages", stages=stages
+            )
+        return Health(ready=True, detail="all stages connected", stages=stages)
+
+    async def stage_status(self) -> list[dict[str, Any]]:
+        """Each stage's own report (KV use, busy fraction, forwards)."""
+        return [await self._request(link, {"op": "status"}) for link in self._links]
+
+    async def generate(
+        self, request_id: str, prompt: list[int], params: SamplingParams
+    ) -> AsyncIterator[TokenEvent]:
+        if self._broken is not None:
+            raise BackendUnavailable(f"the pipeline is down: {self._broken}")
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        seq = f"{request_id}.{next(self._seq)}"
+        await self._admit(seq, prompt, params)
+        queue: asyncio.Queue[TokenEvent | _Broken] = asyncio.Queue()
+        self._queues[seq] = queue
+        try:
+            step = 0
+            head, last = prompt[:-1], prompt[-1:]
+            for i in range(0, len(head), PREFILL_STEP_SIZE):
+                await self._send_input(seq, step, head[i : i + PREFILL_STEP_SIZE], False, False)
+                step += 1
+            await self._send_input(seq, step, last, True, params.logprobs)
+            for produced in range(params.max_tokens):
+                item = await queue.get()
+                if isinstance(item, _Broken):
+                    raise BackendUnavailable(item.reason)
+                eos = item.token in self._eos()
+                if produced + 1 < params.max_tokens and not eos:
+                    # Queue the next step before handing this token out: the pipeline works
+                    # while the caller detokenizes and streams.
+                    step += 1
+                    await self._send_input(seq, step, [item.token], True, params.logprobs)
+                yield item
+                if eos:
+                    return
+        finally:
+            self._queues.pop(seq, None)
+            await self._release(seq)
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _eos(self) -> set[int]:
+        return set(getattr(self._tokenizer, "eos_token_ids", ()) or ())
+
+    async def _admit(self, seq: str, prompt: list[int], params: SamplingParams) -> None:
+        command = {
+            "op": "admit",
+            "seq": seq,
+            "prompt_tokens": len(prompt),
+            "max_tokens": params.max_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "seed": params.seed,
+        }
+        for commit in (False, True):
+            replies = await asyncio.gather(
+                *(self._request(link, {**command, "commit": commit}) for link in self._links)
+            )
+            refused = [r for r in replies if not r.get("ok")]
+            if refused:
+                if commit:  # another request took the room between dry run and commit
+                    await self._release(seq)
+                d = refused[0].get("diagnostic") or {}
+                raise AdmissionRejected(
+                    AdmissionDiagnostic(
+                        stage_index=int(d.get("stage_index", -1)),
+                        reason=RejectReason(d.get("reason", "rejected_by_stage")),
+                        required_bytes=int(d.get("required_bytes", 0)),
+                        used_memory_bytes=int(d.get("used_memory_bytes", 0)),
+                        budget_bytes=int(d.get("budget_bytes", 0)),
+                        active_sequences=int(d.get("active_sequences", 0)),
+                    )
+                )
+
+    async def _release(self, seq: str) -> None:
+        for link in self._links:
+            if link.alive:
+                with contextlib.suppress(ChannelClosedError, FrameError):
+                    await link.channel.send(MessageKind.CONTROL, {"op": "release", "seq": seq})
+
+    async def _send_input(
+        self, seq: str, step: int, tokens: list[int], sample: bool, logprobs: bool
+    ) -> None:
+        link = self._links[0]
+        array = np.asarray([tokens], dtype=np.int32)
+        meta = {"seq": seq, "step": step, "sample": sample, "logprobs": logprobs}
+        try:
+            await link.channel.send(MessageKind.ACTIVATION, meta, array)
+        except ChannelClosedError as exc:
+            self._fail(link, f"stage {link.node.id} is unreachable: {exc}")
+            raise BackendUnavailable(self._broken or str(exc)) from None
+
+    async def _request(self, link: _StageLink, command: dict[str, Any]) -> dict[str, Any]:
+        rid = next(self._rid)
+        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._replies[rid] = future
+        try:
+            await link.channel.send(MessageKind.CONTROL, {**command, "rid": rid})
+            async with asyncio.timeout(REPLY_TIMEOUT_S):
+                return await future
+        except (ChannelClosedError, TimeoutError) as exc:
+            self._fail(link, f"stage {link.node.id} did not answer: {exc or 'timeout'}")
+            raise BackendUnavailable(self._broken or "a stage did not answer") from None
+        finally:
+            self._replies.pop(rid, None)
+
+    async def _read(self, link: _StageLink) -> None:
+        try:
+            async for message in link.channel:
+                if message.kind is MessageKind.REPLY:
+                    future = self._replies.get(int(message.meta.get("rid", -1)))
+                    if future is not None and not future.done():
+                        future.set_result(dict(message.meta))
+                elif message.kind is MessageKind.TOKENS and message.tensor is not None:
+                    meta = TokenMeta.model_validate(dict(message.meta))
+                    token = int(np.frombuffer(message.tensor.data, dtype=np.int32)[0])
+                    queue = self._queues.get(meta.seq)
+                    if queue is not None:
+                        queue.put_nowait(TokenEvent(token=token, logprob=meta.logprob))
+            self._fail(link, f"stage {link.node.id} closed its connection")
+        except (ChannelClosedError, FrameError) as exc:
+            self._fail(link, f"lost stage {link.node.id}: {exc}")
+        except Exception as exc:
+            self._fail(link, f"bad message from stage {link.node.id}: {exc}")
+
+    def _fail(self, link: _StageLink, reason: str) -> None:
+        if not link.alive:
+            return
+        link.alive = False
+        if self._broken is None:
+            self._broken = reason
+            log.error("coordinator: %s; failing %d open requests", reason, len(self._queues))
+        for queue in self._queues.values():
+            queue.put_nowait(_Broken(reason))
+        for future in self._replies.values():
+            if not future.done():
+                future.set_exception(BackendUnavailable(reason))

@@ -1,0 +1,163 @@
+"""``mlxppd serve``: a stage node, the coordinator node, or a whole local cluster.
+
+Every role runs one asyncio loop for I/O and one mlx thread. A stage node and the coordinator
+take their place from the cluster TOML; the local cluster writes such a TOML (and a fresh
+secret) itself and starts real stage processes on loopback, so it runs the same code path as a
+multi-host cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mlxppd.core.cluster_config import ClusterConfig, NodeRole, load_cluster_config
+from mlxppd.core.errors import ConfigurationError
+from mlxppd.core.kv_admission import StageKvManager
+from mlxppd.core.layer_ranges import LayerRange, parse_pp_layers
+from mlxppd.core.model_profile import profile_from_config
+from mlxppd.core.partition import balance_layers
+from mlxppd.core.stages import StageSpec
+from mlxppd.engine.families.base import text_config
+from mlxppd.engine.kv_sizing import kv_bytes_per_token
+from mlxppd.engine.model_files import read_config, resolve_model_dir
+from mlxppd.engine.stage import load_stage
+from mlxppd.engine.stage_runner import StageRunner
+from mlxppd.engine.tokenizer import load_tokenizer
+from mlxppd.runtime.coordinator import Coordinator
+from mlxppd.runtime.mlx_thread import MlxThread
+from mlxppd.runtime.stage_worker import StageWorker
+from mlxppd.wire.backends import create_transport, wire_config_for
+from mlxppd.wire.secret import load_cluster_secret
+
+log = logging.getLogger("mlxppd.serve")
+
+_UNLIMITED = 1 << 62
+
+
+@dataclass(frozen=True)
+class NodeOptions:
+    """What a node needs beyond the cluster TOML (from flags)."""
+
+    model: str | None
+    cluster_file: Path
+    node_id: str
+    secret_file: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8080
+    kv_budget_bytes: int | None = None
+    max_sequences: int = 64
+    warmup: bool = True
+    alias: str | None = None
+    api_key: str | None = None
+    ready_file: Path | None = None
+    once_prompt: str | None = None
+    once_max_tokens: int = 64
+
+
+def stop_event() -> asyncio.Event:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+def _load_cluster(options: NodeOptions) -> tuple[ClusterConfig, Any]:
+    cluster = load_cluster_config(options.cluster_file)
+    secret = load_cluster_secret(
+        flag_path=options.secret_file,
+        config_secret_file=cluster.cluster.secret_file,
+        config_dir=options.cluster_file.parent,
+    )
+    return cluster, secret
+
+
+def write_ready(path: Path | None, text: str) -> None:
+    if path is None:
+        return
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def cluster_layer_plan(cluster: ClusterConfig, config: dict[str, Any]) -> tuple[LayerRange, ...]:
+    """``[cluster] layers`` when given (validated against the model, adjacency included);
+    otherwise the auto partitioner's plan, which every node computes identically."""
+    profile = profile_from_config(config)
+    if cluster.cluster.layers is not None:
+        text = ",".join(cluster.cluster.layers)
+        return parse_pp_layers(text, profile.num_layers, profile.adjacency_groups)
+    return balance_layers(profile, cluster.cluster.pipeline_parallel_size).ranges
+
+
+async def run_stage_node(options: NodeOptions) -> int:
+    cluster, secret = _load_cluster(options)
+    node = cluster.find_node(options.node_id)
+    if node is None or node.role is NodeRole.HYBRID or node.stage is None:
+        raise ConfigurationError(
+            f"node '{options.node_id}' is not a pipeline stage in this cluster",
+            source=str(options.cluster_file),
+            key="--node-id",
+        )
+    model_dir = resolve_model_dir(options.model)
+    config = read_config(model_dir)
+    ranges = cluster_layer_plan(cluster, config)
+    layers = ranges[node.stage]
+    spec = StageSpec(node.stage, len(ranges), layers.start, layers.end)
+    mlx = MlxThread(f"mlx-stage{node.stage}")
+    try:
+
+        def load() -> tuple[StageRunner, int]:
+            stage = load_stage(model_dir, spec, config)
+            per_token = kv_bytes_per_token(stage, int(text_config(config)["hidden_size"]))
+            return StageRunner(stage), per_token
+
+        runner, per_token = await mlx.run(load)
+        kv = StageKvManager(
+            stage_index=spec.index,
+            budget_bytes=options.kv_budget_bytes or _UNLIMITED,
+            bytes_per_token=per_token,
+            max_sequences=options.max_sequences,
+        )
+        transport = create_transport(
+            cluster.cluster.transport_backend, wire_config_for(cluster, node.id, secret)
+        )
+        worker = StageWorker(spec, runner, kv, transport, mlx)
+        stop = stop_event()
+        address = await worker.start(node.host, node.port)
+        log.info(
+            "stage %d (%s) serving layers %d-%d on %s:%d, %.1f MB of parameters",
+            spec.index, node.id, spec.start, spec.end - 1, *address,
+            runner.stage.parameter_bytes / 1e6,
+        )  # fmt: skip
+        write_ready(options.ready_file, f"{address[0]}:{address[1]}\n")
+        await stop.wait()
+        await worker.close()
+        return 0
+    finally:
+        mlx.close()
+
+
+async def start_coordinator(options: NodeOptions) -> Coordinator:
+    cluster, secret = _load_cluster(options)
+    node = cluster.find_node(options.node_id)
+    if node is None or node.role is not NodeRole.HYBRID:
+        raise ConfigurationError(
+            f"node '{options.node_id}' is not the coordinator (role hybrid) of this cluster",
+            source=str(options.cluster_file),
+            key="--node-id",
+        )
+    model_dir = resolve_model_dir(options.model)
+    transport = create_transport(
+        cluster.cluster.transport_backend, wire_config_for(cluster, node.id, secret)
+    )
+    model_id = options.alias or model_dir.name
+    coordinator = Coordinator(cluster, transport, load_tokenizer(model_dir), model_id)
+    await coordinator.start(warmup=options.warmup)
+    return coordinator

@@ -1,0 +1,248 @@
+"""A stage worker: serves one layer range on its transport address.
+
+Input (token ids on stage 0, activations elsewhere) arrives on any accepted channel and is run
+in arrival order on the mlx thread; each result is queued for a sender task, so the next
+forward computes while the previous activation is on the wire. The coordinator's channel
+carries control commands; on the last stage it also carries the sampled tokens back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from pydantic import ValidationError
+
+from mlxppd.core.kv_admission import AdmissionRequest, StageKvManager
+from mlxppd.core.pipeline_messages import (
+    Admit,
+    Configure,
+    ForwardMeta,
+    Release,
+    Status,
+    parse_control,
+)
+from mlxppd.core.stages import StageSpec
+from mlxppd.engine.stage_runner import StageRunner
+from mlxppd.engine.wire_tensors import from_wire, to_wire
+from mlxppd.runtime.mlx_thread import MlxThread
+from mlxppd.wire.channel import SecureChannel
+from mlxppd.wire.codec import Message, MessageKind
+from mlxppd.wire.errors import ChannelClosedError, FrameError
+from mlxppd.wire.transport import Listener, Transport
+
+log = logging.getLogger("mlxppd.stage")
+
+_Item = tuple[str, Any]
+
+
+class ProtocolViolation(Exception):
+    """A message that authenticated fine but makes no sense here."""
+
+
+@dataclass
+class StageStats:
+    forwards: int = 0
+    busy_s: float = 0.0
+    started: float = field(default_factory=time.monotonic)
+    protocol_errors: int = 0
+
+
+class StageWorker:
+    def __init__(
+        self,
+        spec: StageSpec,
+        runner: StageRunner,
+        kv: StageKvManager,
+        transport: Transport,
+        mlx: MlxThread,
+    ) -> None:
+        self.spec = spec
+        self.runner = runner
+        self.kv = kv
+        self.transport = transport
+        self.mlx = mlx
+        self.stats = StageStats()
+        self._work: asyncio.Queue[_Item] = asyncio.Queue()
+        self._out: asyncio.Queue[tuple[MessageKind, dict[str, Any], Any]] = asyncio.Queue()
+        self._downstream: SecureChannel | None = None
+        self._coordinator: SecureChannel | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._listener: Listener | None = None
+
+    async def start(self, host: str, port: int) -> tuple[str, int]:
+        self._tasks = [
+            asyncio.create_task(self._compute_loop(), name=f"stage{self.spec.index}-compute"),
+            asyncio.create_task(self._send_loop(), name=f"stage{self.spec.index}-send"),
+        ]
+        for task in self._tasks:
+            task.add_done_callback(_log_exit)
+        self._listener = await self.transport.listen(host, port, self._serve)
+        return self._listener.address
+
+    async def close(self) -> None:
+        if self._listener is not None:
+            await self._listener.close()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._downstream is not None:
+            await self._downstream.close()
+
+    # -- connections ---------------------------------------------------------------------------
+
+    async def _serve(self, channel: SecureChannel) -> None:
+        try:
+            async for message in channel:
+                await self._dispatch(channel, message)
+        except (ChannelClosedError, FrameError) as exc:
+            log.info("stage %d: channel %s closed: %s", self.spec.index, channel.peer_address, exc)
+        except (ValidationError, ProtocolViolation) as exc:
+            self.stats.protocol_errors += 1
+            detail = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
+            log.warning(
+                "stage %d: malformed message from %s, closing: %s",
+                self.spec.index,
+                channel.peer_address,
+                detail,
+            )
+        finally:
+            await channel.close()
+            if channel is self._coordinator:
+                # The coordinator is gone: nobody will release its sequences.
+                self._coordinator = None
+                await self._work.put(("release_all", None))
+
+    async def _dispatch(self, channel: SecureChannel, message: Message) -> None:
+        if message.kind is MessageKind.ACTIVATION:
+            meta = ForwardMeta.model_validate(dict(message.meta))
+            await self._work.put(("forward", (meta, message.tensor)))
+            return
+        if message.kind is not MessageKind.CONTROL:
+            raise ProtocolViolation(f"a stage does not accept {message.kind.name} messages")
+        command = parse_control(message.meta)
+        if isinstance(command, Configure):
+            await self._configure(channel, command)
+        elif isinstance(command, Admit):
+            await channel.send(MessageKind.REPLY, self._admit(command))
+        elif isinstance(command, Release):
+            await self._work.put(("release", command.seq))
+        elif isinstance(command, Status):
+            await channel.send(MessageKind.REPLY, {"rid": command.rid, **self.status()})
+
+    async def _configure(self, channel: SecureChannel, command: Configure) -> None:
+        self._coordinator = channel
+        reply: dict[str, Any] = {"rid": command.rid, "ok": True}
+        if command.next_host is not None and command.next_port is not None:
+            try:
+                if self._downstream is not None:
+                    await self._downstream.close()
+                self._downstream = await self.transport.connect(
+                    command.next_host, command.next_port, expected_peer=command.next_node
+                )
+            except Exception as exc:  # reported to the coordinator, which gives up cleanly
+                reply = {"rid": command.rid, "ok": False, "error": str(exc)}
+        else:
+            self._downstream = channel
+        await channel.send(MessageKind.REPLY, reply)
+
+    def _admit(self, command: Admit) -> dict[str, Any]:
+        request = AdmissionRequest(command.seq, command.prompt_tokens, command.max_tokens)
+        problem = self.kv.dry_run(request)
+        if problem is None and command.commit:
+            self.kv.commit(request)
+            if self.spec.has_lm_head:
+                self.runner.set_sampling(
+                    command.seq, command.temperature, command.top_p, command.seed
+                )
+        reply: dict[str, Any] = {"rid": command.rid, "ok": problem is None}
+        if problem is not None:
+            reply["diagnostic"] = {
+                "stage_index": problem.stage_index,
+                "reason": problem.reason.value,
+                "required_bytes": problem.required_bytes,
+                "used_memory_bytes": problem.used_memory_bytes,
+                "budget_bytes": problem.budget_bytes,
+                "active_sequences": problem.active_sequences,
+            }
+        return reply
+
+    def status(self) -> dict[str, Any]:
+        elapsed = max(time.monotonic() - self.stats.started, 1e-9)
+        return {
+            "stage": self.spec.index,
+            "layers": [self.spec.start, self.spec.end],
+            "parameter_bytes": self.runner.stage.parameter_bytes,
+            "kv_used_bytes": self.kv.used_bytes,
+            "kv_budget_bytes": self.kv.budget_bytes,
+            "active_sequences": len(self.kv.reserved),
+            "forwards": self.stats.forwards,
+            "busy_fraction": min(1.0, self.stats.busy_s / elapsed),
+            "protocol_errors": self.stats.protocol_errors,
+        }
+
+    # -- compute and send ----------------------------------------------------------------------
+
+    async def _compute_loop(self) -> None:
+        while True:
+            op, arg = await self._work.get()
+            if op == "forward":
+                await self._forward(*arg)
+            elif op == "release":
+                self.kv.release(arg)
+                await self.mlx.run(functools.partial(self.runner.release, str(arg)))
+            elif op == "release_all":
+                for held in list(self.kv.reserved):
+                    self.kv.release(held)
+                await self.mlx.run(self.runner.release_all)
+
+    async def _forward(self, meta: ForwardMeta, tensor: Any) -> None:
+        started = time.monotonic()
+        sample = meta.sample and self.spec.has_lm_head
+
+        def run() -> Any:
+            x = from_wire(tensor)
+            if sample:
+                return self.runner.forward_and_sample(meta.seq, x, meta.logprobs)
+            return to_wire(self.runner.forward(meta.seq, x))
+
+        result = await self.mlx.run(run)
+        self.stats.busy_s += time.monotonic() - started
+        self.stats.forwards += 1
+        if self.spec.has_lm_head:
+            if sample:
+                token = np.array([result.token], dtype=np.int32)
+                out_meta = {"seq": meta.seq, "step": meta.step, "logprob": result.logprob}
+                await self._out.put((MessageKind.TOKENS, out_meta, token))
+            return
+        await self._out.put((MessageKind.ACTIVATION, meta.model_dump(), result))
+
+    async def _send_loop(self) -> None:
+        while True:
+            kind, meta, tensor = await self._out.get()
+            target = self._coordinator if kind is MessageKind.TOKENS else self._downstream
+            if target is None:
+                log.warning("stage %d: no %s channel; dropping output", self.spec.index, kind.name)
+                continue
+            try:
+                await target.send(kind, meta, tensor)
+            except ChannelClosedError as exc:
+                log.error("stage %d: sending %s failed: %s", self.spec.index, kind.name, exc)
+
+
+def _log_exit(task: asyncio.Task[None]) -> None:
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None:
+        log.error("task %s failed: %r", task.get_name(), exc)
+    else:
+        log.error("task %s exited unexpectedly", task.get_name())

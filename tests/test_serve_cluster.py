@@ -1,0 +1,182 @@
+"""A real local cluster: stage processes on loopback, the coordinator's OpenAI API over HTTP."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.cluster_support import RunningCluster, kill, start_cluster, wait_gone
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Tell me a story about a dragon.",
+    "Explain how a steam engine works.",
+    "List three colors.",
+    "What is 2 + 2?",
+    "Write a haiku about the sea.",
+    "Who wrote Hamlet?",
+    "Give me a tip for learning to cook.",
+]
+
+
+@pytest.fixture(scope="module")
+def reference(embedded_model_dir: Path) -> dict[str, str]:
+    """Single-process mlx-lm's greedy answer to each question (max_tokens 16)."""
+    from mlx_lm import generate, load
+
+    model, tokenizer = load(str(embedded_model_dir))
+    answers = {}
+    for q in QUESTIONS:
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True
+        )
+        answers[q] = generate(model, tokenizer, prompt, max_tokens=16)
+    return answers
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    tmp_path_factory: pytest.TempPathFactory, embedded_model_dir: Path, model_cache: Path
+) -> Iterator[RunningCluster]:
+    import os
+
+    env = {**os.environ, "MLXPP_MODEL_CACHE": str(model_cache), "HF_HUB_OFFLINE": "1"}
+    running = start_cluster(tmp_path_factory.mktemp("pp2"), env, "--pp-size", "2")
+    yield running
+    assert running.stop() == 0, running.log()
+    assert wait_gone(running.stage_pids) == [], "stage processes left behind"
+
+
+def chat(url: str, question: str, **extra: object) -> httpx.Response:
+    body = {
+        "messages": [{"role": "user", "content": question}],
+        "max_tokens": 16,
+        "temperature": 0,
+        **extra,
+    }
+    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+
+
+def test_health_and_models(cluster: RunningCluster) -> None:
+    health = httpx.get(f"{cluster.url}/health", timeout=10)
+    assert health.status_code == 200
+    models = httpx.get(f"{cluster.url}/v1/models", timeout=10).json()
+    assert models["data"][0]["id"]
+
+
+def test_two_stages_answer_like_single_process_mlx_lm(
+    cluster: RunningCluster, reference: dict[str, str]
+) -> None:
+    response = chat(cluster.url, QUESTIONS[0])
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"] == reference[QUESTIONS[0]]
+
+
+def test_eight_concurrent_requests_each_match_their_own_result(
+    cluster: RunningCluster, reference: dict[str, str]
+) -> None:
+    answers: dict[str, str] = {}
+
+    def ask(q: str) -> None:
+        answers[q] = chat(cluster.url, q).json()["choices"][0]["message"]["content"]
+
+    threads = [threading.Thread(target=ask, args=(q,)) for q in QUESTIONS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert answers == reference
+
+
+def test_openai_client_streaming_and_not(
+    cluster: RunningCluster, reference: dict[str, str]
+) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    q = QUESTIONS[3]
+    messages = [{"role": "user", "content": q}]
+    whole = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=16,
+        temperature=0,  # type: ignore[arg-type]
+    )
+    assert whole.choices[0].message.content == reference[q]
+    stream = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=16,
+        temperature=0,
+        stream=True,  # type: ignore[arg-type]
+    )
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert text == reference[q]
+
+
+def test_three_stages_answer_like_single_process_mlx_lm(
+    tmp_path: Path, cli_env: dict[str, str], reference: dict[str, str]
+) -> None:
+    running = start_cluster(tmp_path, cli_env, "--pp-size", "3")
+    try:
+        q = QUESTIONS[1]
+        assert chat(running.url, q).json()["choices"][0]["message"]["content"] == reference[q]
+    finally:
+        assert running.stop() == 0, running.log()
+    assert wait_gone(running.stage_pids) == []
+
+
+def test_a_small_kv_budget_rejects_a_long_prompt_with_a_diagnostic(
+    tmp_path: Path, cli_env: dict[str, str]
+) -> None:
+    # About 100 tokens of KV per stage: a short chat fits, a long prompt does not.
+    running = start_cluster(tmp_path, cli_env, "--pp-size", "2", "--kv-budget-bytes", "2500000")
+    try:
+        long = chat(running.url, "Summarise this: " + "the quick brown fox " * 150)
+        assert long.status_code == 503, long.text
+        assert "Retry-After" in long.headers
+        error = long.json()["error"]
+        assert error["reason"] == "memory"
+        assert error["stage"] in (0, 1)
+        assert error["required_bytes"] > error["budget_bytes"] == 2500000
+        short = chat(running.url, "Hi", max_tokens=4)
+        assert short.status_code == 200, short.text
+    finally:
+        assert running.stop() == 0, running.log()
+
+
+def test_killing_a_stage_mid_stream_fails_the_stream_fast_and_leaves_nothing(
+    tmp_path: Path, cli_env: dict[str, str]
+) -> None:
+    running = start_cluster(tmp_path, cli_env, "--pp-size", "2")
+    try:
+        body = {
+            "messages": [{"role": "user", "content": "Tell me a very long story."}],
+            "max_tokens": 400,
+            "stream": True,
+        }
+        with httpx.stream(
+            "POST", f"{running.url}/v1/chat/completions", json=body, timeout=60
+        ) as response:
+            events = response.iter_lines()
+            for _ in range(3):  # the stream is flowing
+                next(line for line in events if line)
+            killed_at = time.monotonic()
+            kill(running.stage_pids[1])
+            tail = [line for line in events if line]
+            ended_after = time.monotonic() - killed_at
+        assert ended_after < 5.0
+        errors = [json.loads(line[6:]) for line in tail if line.startswith("data: {")]
+        assert any("error" in e for e in errors), tail[-3:]
+        health = httpx.get(f"{running.url}/health", timeout=10)
+        assert health.status_code == 503
+    finally:
+        running.stop()
+    assert wait_gone([running.proc.pid, *running.stage_pids]) == []
