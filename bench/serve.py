@@ -153,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pp-size", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument(
+        "--micro-batch-size", type=int, default=4, help="--pp-micro-batch-size of the cluster"
+    )
     args = parser.parse_args(argv)
 
     from mlxppd.engine.model_files import resolve_model_dir
@@ -169,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     cluster = subprocess.Popen(
         [sys.executable, "-m", "mlxppd.cli.mlxppd_main", "serve", "--model", str(model_dir),
          "--pp-size", str(args.pp_size), "--port", "0", "--ready-file", str(ready),
-         "--log-level", "WARNING"],
+         "--pp-micro-batch-size", str(args.micro_batch_size), "--log-level", "WARNING"],
         env=env,
     )  # fmt: skip
     try:
@@ -229,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"\n{model_dir.name}, {args.pp_size}-stage local cluster (one process per stage, "
-        f"loopback, encrypted transport), max_tokens {args.max_tokens}\n"
+        f"loopback, encrypted transport, micro-batches of up to {args.micro_batch_size}), "
+        f"max_tokens {args.max_tokens}\n"
     )
     print(f"| measure | baseline | mlxpp --pp-size {args.pp_size} | ratio |")
     print("|---|---:|---:|---:|")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -180,3 +181,30 @@ def test_killing_a_stage_mid_stream_fails_the_stream_fast_and_leaves_nothing(
     finally:
         running.stop()
     assert wait_gone([running.proc.pid, *running.stage_pids]) == []
+
+
+def test_micro_batches_run_as_one_batched_pass_and_keep_parity(
+    tmp_path: Path, cli_env: dict[str, str], reference: dict[str, str]
+) -> None:
+    running = start_cluster(tmp_path, cli_env, "--pp-size", "2", "--pp-micro-batch-size", "4")
+    answers: dict[str, str] = {}
+    try:
+
+        def ask(q: str) -> None:
+            answers[q] = chat(running.url, q).json()["choices"][0]["message"]["content"]
+
+        threads = [threading.Thread(target=ask, args=(q,)) for q in QUESTIONS]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+    finally:
+        assert running.stop() == 0, running.log()
+    assert answers == reference
+    # Each stage ran decode steps as batched passes of several sequences at once.
+    stats = re.findall(
+        r"stage (\d): \d+ forward passes, (\d+) of them micro-batches of ([\d.]+)", running.log()
+    )
+    assert len(stats) == 2, running.log()[-2000:]
+    for _stage, passes, mean_rows in stats:
+        assert int(passes) > 0 and float(mean_rows) > 1.5

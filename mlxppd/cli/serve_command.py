@@ -56,7 +56,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--pp-micro-batch-size",
         type=int,
         default=1,
-        help="sequences per micro-batch (default 1: each sequence is its own micro-batch)",
+        help="decode steps of up to N sequences run as one batched forward pass "
+        "(default 1: each sequence is its own micro-batch)",
     )
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up request at start")
     p.add_argument("--alias", help="model name reported by /v1/models (default: directory name)")
@@ -97,12 +98,8 @@ def run(args: argparse.Namespace) -> int:
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
-    if args.pp_micro_batch_size != 1:
-        raise ConfigurationError(
-            "micro-batches of more than one sequence are not supported yet; "
-            "each sequence is its own micro-batch (use 1)",
-            source="--pp-micro-batch-size",
-        )
+    if not 1 <= args.pp_micro_batch_size <= 256:
+        raise ConfigurationError("must be between 1 and 256", source="--pp-micro-batch-size")
     if args.parallel < 1:
         raise ConfigurationError("must be at least 1", source="--parallel")
     options = NodeOptions(
@@ -120,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
         ready_file=args.ready_file,
         once_prompt=args.once,
         once_max_tokens=args.max_tokens,
+        micro_batch_size=args.pp_micro_batch_size,
     )
     if args.distributed_config is not None:
         if args.pp_size is not None or args.pp_layers is not None:

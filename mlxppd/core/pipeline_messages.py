@@ -34,6 +34,40 @@ class TokenMeta(_Meta):
     logprob: float | None = None
 
 
+MAX_MICRO_BATCH = 256
+
+
+class BatchForwardMeta(_Meta):
+    """ACTIVATION for a decode micro-batch: one token per sequence, one batched forward pass.
+
+    The group keeps its batched KV caches between steps on every stage. ``seqs`` lists the
+    members in batch order: the previous members still present (in their previous order), then
+    the ones joining, whose prefilled caches are merged in; absent members leave the batch.
+    """
+
+    group: Annotated[str, Field(min_length=1, max_length=64)]
+    seqs: list[SeqId] = Field(min_length=1, max_length=MAX_MICRO_BATCH)
+    step: int = Field(ge=0, description="group-local step number")
+    sample: bool = True
+    logprobs: bool = False
+
+
+class BatchTokenMeta(_Meta):
+    """TOKENS for a decode micro-batch: one sampled token per member, in batch order."""
+
+    group: Annotated[str, Field(min_length=1, max_length=64)]
+    seqs: list[SeqId] = Field(min_length=1, max_length=MAX_MICRO_BATCH)
+    step: int = Field(ge=0)
+    logprobs: list[float | None] | None = None
+
+
+def regroup(previous: list[str], requested: list[str]) -> list[str]:
+    """The batch order a stage expects: surviving members in order, then the newcomers."""
+    wanted = set(requested)
+    kept = [s for s in previous if s in wanted]
+    return kept + [s for s in requested if s not in set(previous)]
+
+
 class Admit(_Meta):
     op: Literal["admit"] = "admit"
     rid: int = Field(ge=0, description="request id echoed in the reply")

@@ -7,11 +7,12 @@ also holds each sequence's sampler, samples from the last position and returns o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import mlx.core as mx
 
+from mlxppd.core.pipeline_messages import regroup
 from mlxppd.engine.sampling import Sampler, greedy, make_sampler
 from mlxppd.engine.stage import LoadedStage
 
@@ -22,11 +23,79 @@ class Sampled:
     logprob: float | None
 
 
+@dataclass
+class _Group:
+    """A decode micro-batch: its members in batch order and one batched cache per layer."""
+
+    seqs: list[str] = field(default_factory=list)
+    caches: list[Any] | None = None
+    released: set[str] = field(default_factory=set)
+
+
 class StageRunner:
     def __init__(self, stage: LoadedStage):
         self.stage = stage
         self._caches: dict[str, list[Any]] = {}
         self._samplers: dict[str, Sampler] = {}
+        self._groups: dict[str, _Group] = {}
+        self._group_of: dict[str, str] = {}
+
+    # -- micro-batches -------------------------------------------------------------------------
+
+    def _regroup(self, group_id: str, seqs: list[str]) -> list[Any]:
+        """Bring the group's batched caches to ``seqs``: filter leavers, merge newcomers."""
+        group = self._groups.setdefault(group_id, _Group())
+        if regroup(group.seqs, seqs) != seqs:
+            raise ValueError(f"micro-batch {group_id}: members out of order: {seqs}")
+        keep = [i for i, s in enumerate(group.seqs) if s in set(seqs)]
+        if group.caches is not None and len(keep) < len(group.seqs):
+            if keep:
+                for cache in group.caches:
+                    cache.filter(mx.array(keep))
+            else:
+                group.caches = None
+        for gone in set(group.seqs) - set(seqs):
+            self._group_of.pop(gone, None)
+        newcomers = [s for s in seqs if s not in set(group.seqs)]
+        if newcomers:
+            singles = []
+            for seq in newcomers:
+                single = self._caches.pop(seq, None)
+                if single is None:
+                    raise ValueError(f"sequence {seq} joins a micro-batch before its prefill")
+                singles.append(single)
+                self._group_of[seq] = group_id
+            # mlx-lm's batch caches: left-padded to the longest member, as BatchGenerator does.
+            merged = [type(parts[0]).merge(list(parts)) for parts in zip(*singles, strict=True)]
+            if group.caches is None:
+                group.caches = merged
+            else:
+                for cache, extra in zip(group.caches, merged, strict=True):
+                    cache.extend(extra)
+        group.seqs = list(seqs)
+        group.released -= set(seqs)
+        assert group.caches is not None
+        return group.caches
+
+    def forward_group(self, group_id: str, seqs: list[str], x: mx.array) -> mx.array:
+        """One batched forward pass of a decode micro-batch; the output is evaluated."""
+        out = self.stage(x, self._regroup(group_id, seqs))
+        mx.eval(out)
+        return out
+
+    def forward_group_and_sample(
+        self, group_id: str, seqs: list[str], x: mx.array, logprobs: bool
+    ) -> list[Sampled]:
+        logits = self.stage(x, self._regroup(group_id, seqs))[:, -1, :]
+        scores = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        tokens = [self._samplers.get(s, greedy)(scores[i : i + 1]) for i, s in enumerate(seqs)]
+        mx.eval(tokens, scores)
+        out = []
+        for i, token in enumerate(tokens):
+            value = cast(int, token.item())
+            logprob = cast(float, scores[i, value].item()) if logprobs else None
+            out.append(Sampled(value, logprob))
+        return out
 
     @property
     def active(self) -> int:
@@ -60,7 +129,20 @@ class StageRunner:
     def release_all(self) -> None:
         self._samplers.clear()
         self._caches.clear()
+        self._groups.clear()
+        self._group_of.clear()
 
     def release(self, seq: str) -> bool:
         self._samplers.pop(seq, None)
+        group_id = self._group_of.get(seq)
+        if group_id is not None:
+            # The batch drops the row at its next step; a group whose members are all gone
+            # frees its caches now.
+            group = self._groups[group_id]
+            group.released.add(seq)
+            if group.released >= set(group.seqs):
+                for member in group.seqs:
+                    self._group_of.pop(member, None)
+                del self._groups[group_id]
+            return True
         return self._caches.pop(seq, None) is not None

@@ -23,7 +23,7 @@ import numpy as np
 from mlxppd.core.cluster_config import ClusterConfig, Node
 from mlxppd.core.errors import TemporaryError
 from mlxppd.core.kv_admission import AdmissionDiagnostic, RejectReason
-from mlxppd.core.pipeline_messages import TokenMeta
+from mlxppd.core.pipeline_messages import BatchTokenMeta, TokenMeta
 from mlxppd.runtime.backend import (
     AdmissionRejected,
     BackendUnavailable,
@@ -31,6 +31,7 @@ from mlxppd.runtime.backend import (
     SamplingParams,
     TokenEvent,
 )
+from mlxppd.runtime.micro_batcher import MicroBatcher
 from mlxppd.wire.channel import SecureChannel
 from mlxppd.wire.codec import MessageKind
 from mlxppd.wire.errors import ChannelClosedError, FrameError
@@ -66,6 +67,7 @@ class Coordinator:
         model_id: str,
         *,
         connect_timeout_s: float = 60.0,
+        micro_batch_size: int = 1,
     ) -> None:
         self.cluster = cluster
         self.transport = transport
@@ -80,6 +82,9 @@ class Coordinator:
         self._ready = False
         self._broken: str | None = None
         self._status: list[dict[str, Any]] = []
+        self._batcher = (
+            MicroBatcher(micro_batch_size, self._send_group) if micro_batch_size > 1 else None
+        )
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -180,21 +185,32 @@ class Coordinator:
                 await self._send_input(seq, step, head[i : i + PREFILL_STEP_SIZE], False, False)
                 step += 1
             await self._send_input(seq, step, last, True, params.logprobs)
+            pending: asyncio.Future[TokenEvent] | None = None
             for produced in range(params.max_tokens):
-                item = await queue.get()
-                if isinstance(item, _Broken):
-                    raise BackendUnavailable(item.reason)
+                if pending is None:
+                    got = await queue.get()
+                    if isinstance(got, _Broken):
+                        raise BackendUnavailable(got.reason)
+                    item = got
+                else:
+                    item = await pending
                 eos = item.token in self._eos()
                 if produced + 1 < params.max_tokens and not eos:
                     # Queue the next step before handing this token out: the pipeline works
                     # while the caller detokenizes and streams.
-                    step += 1
-                    await self._send_input(seq, step, [item.token], True, params.logprobs)
+                    if self._batcher is not None:
+                        # Decode steps join a micro-batch; the prefill ran on its own.
+                        pending = self._batcher.submit(seq, item.token, params.logprobs)
+                    else:
+                        step += 1
+                        await self._send_input(seq, step, [item.token], True, params.logprobs)
                 yield item
                 if eos:
                     return
         finally:
             self._queues.pop(seq, None)
+            if self._batcher is not None:
+                self._batcher.leave(seq)
             await self._release(seq)
 
     # -- internals -----------------------------------------------------------------------------
@@ -250,6 +266,17 @@ class Coordinator:
             self._fail(link, f"stage {link.node.id} is unreachable: {exc}")
             raise BackendUnavailable(self._broken or str(exc)) from None
 
+    async def _send_group(
+        self, group: str, seqs: list[str], step: int, tokens: np.ndarray, logprobs: bool
+    ) -> None:
+        link = self._links[0]
+        meta = {"group": group, "seqs": seqs, "step": step, "sample": True, "logprobs": logprobs}
+        try:
+            await link.channel.send(MessageKind.ACTIVATION, meta, tokens)
+        except ChannelClosedError as exc:
+            self._fail(link, f"stage {link.node.id} is unreachable: {exc}")
+            raise BackendUnavailable(self._broken or str(exc)) from None
+
     async def _request(self, link: _StageLink, command: dict[str, Any]) -> dict[str, Any]:
         rid = next(self._rid)
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
@@ -271,6 +298,18 @@ class Coordinator:
                     future = self._replies.get(int(message.meta.get("rid", -1)))
                     if future is not None and not future.done():
                         future.set_result(dict(message.meta))
+                elif (
+                    message.kind is MessageKind.TOKENS
+                    and message.tensor is not None
+                    and "group" in message.meta
+                    and self._batcher is not None
+                ):
+                    batch = BatchTokenMeta.model_validate(dict(message.meta))
+                    tokens = np.frombuffer(message.tensor.data, dtype=np.int32).tolist()
+                    self._batcher.on_tokens(batch.group, batch.seqs, tokens, batch.logprobs)
+                elif message.kind is MessageKind.ERROR and self._batcher is not None:
+                    group = str(message.meta.get("group", ""))
+                    self._batcher.fail_group(group, str(message.meta.get("message", "")))
                 elif message.kind is MessageKind.TOKENS and message.tensor is not None:
                     meta = TokenMeta.model_validate(dict(message.meta))
                     token = int(np.frombuffer(message.tensor.data, dtype=np.int32)[0])
@@ -292,6 +331,8 @@ class Coordinator:
             log.error("coordinator: %s; failing %d open requests", reason, len(self._queues))
         for queue in self._queues.values():
             queue.put_nowait(_Broken(reason))
+        if self._batcher is not None:
+            self._batcher.fail(reason)
         for future in self._replies.values():
             if not future.done():
                 future.set_exception(BackendUnavailable(reason))

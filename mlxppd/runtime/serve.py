@@ -58,6 +58,7 @@ class NodeOptions:
     ready_file: Path | None = None
     once_prompt: str | None = None
     once_max_tokens: int = 64
+    micro_batch_size: int = 1
 
 
 def stop_event() -> asyncio.Event:
@@ -158,6 +159,12 @@ async def start_coordinator(options: NodeOptions) -> Coordinator:
         cluster.cluster.transport_backend, wire_config_for(cluster, node.id, secret)
     )
     model_id = options.alias or model_dir.name
-    coordinator = Coordinator(cluster, transport, load_tokenizer(model_dir), model_id)
+    coordinator = Coordinator(
+        cluster,
+        transport,
+        load_tokenizer(model_dir),
+        model_id,
+        micro_batch_size=options.micro_batch_size,
+    )
     await coordinator.start(warmup=options.warmup)
     return coordinator

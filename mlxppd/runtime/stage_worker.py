@@ -22,6 +22,7 @@ from pydantic import ValidationError
 from mlxppd.core.kv_admission import AdmissionRequest, StageKvManager
 from mlxppd.core.pipeline_messages import (
     Admit,
+    BatchForwardMeta,
     Configure,
     ForwardMeta,
     Release,
@@ -52,6 +53,8 @@ class StageStats:
     busy_s: float = 0.0
     started: float = field(default_factory=time.monotonic)
     protocol_errors: int = 0
+    batched_passes: int = 0
+    batched_rows: int = 0
 
 
 class StageWorker:
@@ -87,6 +90,12 @@ class StageWorker:
         return self._listener.address
 
     async def close(self) -> None:
+        s = self.stats
+        mean_rows = s.batched_rows / s.batched_passes if s.batched_passes else 0.0
+        log.info(
+            "stage %d: %d forward passes, %d of them micro-batches of %.2f sequences on average",
+            self.spec.index, s.forwards, s.batched_passes, mean_rows,
+        )  # fmt: skip
         if self._listener is not None:
             await self._listener.close()
         for task in self._tasks:
@@ -123,8 +132,12 @@ class StageWorker:
 
     async def _dispatch(self, channel: SecureChannel, message: Message) -> None:
         if message.kind is MessageKind.ACTIVATION:
-            meta = ForwardMeta.model_validate(dict(message.meta))
-            await self._work.put(("forward", (meta, message.tensor)))
+            if "group" in message.meta:
+                batch = BatchForwardMeta.model_validate(dict(message.meta))
+                await self._work.put(("forward_group", (batch, message.tensor)))
+            else:
+                meta = ForwardMeta.model_validate(dict(message.meta))
+                await self._work.put(("forward", (meta, message.tensor)))
             return
         if message.kind is not MessageKind.CONTROL:
             raise ProtocolViolation(f"a stage does not accept {message.kind.name} messages")
@@ -187,6 +200,8 @@ class StageWorker:
             "forwards": self.stats.forwards,
             "busy_fraction": min(1.0, self.stats.busy_s / elapsed),
             "protocol_errors": self.stats.protocol_errors,
+            "batched_passes": self.stats.batched_passes,
+            "batched_rows": self.stats.batched_rows,
         }
 
     # -- compute and send ----------------------------------------------------------------------
@@ -196,6 +211,8 @@ class StageWorker:
             op, arg = await self._work.get()
             if op == "forward":
                 await self._forward(*arg)
+            elif op == "forward_group":
+                await self._forward_group(*arg)
             elif op == "release":
                 self.kv.release(arg)
                 await self.mlx.run(functools.partial(self.runner.release, str(arg)))
@@ -225,10 +242,50 @@ class StageWorker:
             return
         await self._out.put((MessageKind.ACTIVATION, meta.model_dump(), result))
 
+    async def _forward_group(self, meta: BatchForwardMeta, tensor: Any) -> None:
+        started = time.monotonic()
+        last = self.spec.has_lm_head
+
+        def run() -> Any:
+            x = from_wire(tensor)
+            if x.shape[0] != len(meta.seqs):
+                raise ValueError(f"{x.shape[0]} rows for {len(meta.seqs)} sequences")
+            if last:
+                return self.runner.forward_group_and_sample(meta.group, meta.seqs, x, meta.logprobs)
+            return to_wire(self.runner.forward_group(meta.group, meta.seqs, x))
+
+        try:
+            result = await self.mlx.run(run)
+        except Exception as exc:
+            # This group cannot run here (a malformed batch, a cache kind that cannot batch):
+            # drop its state and tell the coordinator, which fails its requests cleanly.
+            log.error("stage %d: micro-batch %s failed: %s", self.spec.index, meta.group, exc)
+            for seq in meta.seqs:
+                await self.mlx.run(functools.partial(self.runner.release, seq))
+            error = {"group": meta.group, "seqs": meta.seqs, "message": str(exc)}
+            await self._out.put((MessageKind.ERROR, error, None))
+            return
+        self.stats.busy_s += time.monotonic() - started
+        self.stats.forwards += 1
+        self.stats.batched_passes += 1
+        self.stats.batched_rows += len(meta.seqs)
+        if last:
+            tokens = np.array([s.token for s in result], dtype=np.int32)
+            out_meta = {
+                "group": meta.group,
+                "seqs": meta.seqs,
+                "step": meta.step,
+                "logprobs": [s.logprob for s in result] if meta.logprobs else None,
+            }
+            await self._out.put((MessageKind.TOKENS, out_meta, tokens))
+            return
+        await self._out.put((MessageKind.ACTIVATION, meta.model_dump(), result))
+
     async def _send_loop(self) -> None:
         while True:
             kind, meta, tensor = await self._out.get()
-            target = self._coordinator if kind is MessageKind.TOKENS else self._downstream
+            to_coordinator = kind in (MessageKind.TOKENS, MessageKind.ERROR)
+            target = self._coordinator if to_coordinator else self._downstream
             if target is None:
                 log.warning("stage %d: no %s channel; dropping output", self.spec.index, kind.name)
                 continue
