@@ -208,3 +208,36 @@ def test_micro_batches_run_as_one_batched_pass_and_keep_parity(
     assert len(stats) == 2, running.log()[-2000:]
     for _stage, passes, mean_rows in stats:
         assert int(passes) > 0 and float(mean_rows) > 1.5
+
+
+def test_a_stage_that_fails_to_start_stops_everything_already_started(
+    tmp_path: Path, embedded_model_dir: Path, cli_env: dict[str, str]
+) -> None:
+    import shutil
+    import subprocess
+    import sys
+
+    import mlx.core as mx
+
+    # A checkpoint missing layer 20: stage 0 (layers 0-14) loads, stage 1 cannot.
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    for f in embedded_model_dir.iterdir():
+        if f.suffix == ".json":
+            shutil.copy(f, broken / f.name)
+    tensors = mx.load(str(embedded_model_dir / "model.safetensors"))
+    assert isinstance(tensors, dict)
+    kept = {k: v for k, v in tensors.items() if not k.startswith("model.layers.20.")}
+    mx.save_safetensors(str(broken / "model.safetensors"), kept)
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlxppd.cli.mlxppd_main", "serve", "--model", str(broken),
+         "--pp-layers", "0-14,15-29", "--port", "0"],
+        capture_output=True, text=True, env=cli_env, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "model.layers.20" in proc.stderr  # the failing stage says what is missing
+    assert "stage 1 exited with status" in proc.stderr
+    pids = [int(p) for p in re.findall(r"starting stage \d+/\d+ \(pid (\d+)\)", proc.stderr)]
+    assert len(pids) == 2
+    assert wait_gone(pids) == [], "a started stage was left running"

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from mlxppd.core.errors import ConfigurationError
@@ -50,13 +51,22 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--kv-budget-bytes", type=int, help="KV cache budget of each stage, bytes (default: none)"
     )
     p.add_argument(
-        "--parallel", type=int, default=64, help="most sequences in flight per stage (default 64)"
+        "--parallel",
+        type=int,
+        default=64,
+        help="sequences the coordinator generates at once; more requests wait (default 64)",
+    )
+    p.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=64,
+        help="sequences each stage holds KV for; more are refused with 503 (default 64)",
     )
     p.add_argument(
         "--pp-micro-batch-size",
-        type=int,
-        default=1,
-        help="decode steps of up to N sequences run as one batched forward pass "
+        default="1",
+        help="decode steps of up to N sequences run as one batched forward pass; 'auto': "
+        "ceil(--parallel / stages), the GPipe sizing that fills every stage "
         "(default 1: each sequence is its own micro-batch)",
     )
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up request at start")
@@ -89,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
     from mlxppd.core.layer_ranges import parse_pp_layers
     from mlxppd.core.model_profile import profile_from_config
     from mlxppd.core.partition import balance_layers
+    from mlxppd.core.schedule import suggested_micro_batch_size
     from mlxppd.engine.families import single_process_reason
     from mlxppd.engine.model_files import read_config, resolve_model_dir
     from mlxppd.http.server import run_coordinator_node, run_inprocess, run_local_cluster
@@ -98,10 +109,16 @@ def run(args: argparse.Namespace) -> int:
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
-    if not 1 <= args.pp_micro_batch_size <= 256:
-        raise ConfigurationError("must be between 1 and 256", source="--pp-micro-batch-size")
+    micro = str(args.pp_micro_batch_size)
+    if micro != "auto" and not (micro.isdigit() and 1 <= int(micro) <= 256):
+        raise ConfigurationError(
+            f"{micro!r} is not a size; use a number from 1 to 256 or 'auto'",
+            source="--pp-micro-batch-size",
+        )
     if args.parallel < 1:
         raise ConfigurationError("must be at least 1", source="--parallel")
+    if args.max_batch_size < 1:
+        raise ConfigurationError("must be at least 1", source="--max-batch-size")
     options = NodeOptions(
         model=args.model,
         cluster_file=args.distributed_config or Path("."),
@@ -110,15 +127,22 @@ def run(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         kv_budget_bytes=args.kv_budget_bytes,
-        max_sequences=args.parallel,
+        max_sequences=args.max_batch_size,
+        parallel=args.parallel,
         warmup=not args.no_warmup,
         alias=args.alias,
         api_key=args.api_key,
         ready_file=args.ready_file,
         once_prompt=args.once,
         once_max_tokens=args.max_tokens,
-        micro_batch_size=args.pp_micro_batch_size,
+        micro_batch_size=1 if micro == "auto" else int(micro),
     )
+
+    def sized(options: NodeOptions, stages: int) -> NodeOptions:
+        if micro != "auto":
+            return options
+        return replace(options, micro_batch_size=suggested_micro_batch_size(args.parallel, stages))
+
     if args.distributed_config is not None:
         if args.pp_size is not None or args.pp_layers is not None:
             raise ConfigurationError(
@@ -129,9 +153,11 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigurationError("--node-id is required with --distributed-config")
         from mlxppd.core.cluster_config import NodeRole, load_cluster_config
 
-        node = load_cluster_config(args.distributed_config).find_node(args.node_id)
+        cluster = load_cluster_config(args.distributed_config)
+        node = cluster.find_node(args.node_id)
         if node is not None and node.role is not NodeRole.HYBRID:
             return asyncio.run(run_stage_node(options))
+        options = sized(options, cluster.cluster.pipeline_parallel_size)
         return asyncio.run(run_coordinator_node(options))
 
     model_dir = resolve_model_dir(args.model)
@@ -145,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
     refusal = single_process_reason(config) or profile.pipeline_refusal
     if refusal and len(ranges) > 1:
         raise ConfigurationError(refusal, source="--pp-size/--pp-layers")
-    options = NodeOptions(**{**options.__dict__, "model": str(model_dir)})
+    options = replace(options, model=str(model_dir))
     if len(ranges) >= 2:
-        return run_local_cluster(options, ranges)
+        return run_local_cluster(sized(options, len(ranges)), ranges)
     return asyncio.run(run_inprocess(options, model_dir))

@@ -157,7 +157,13 @@ class ClusterSection(_Strict):
         None,
         min_length=1,
         description='Inclusive layer range per stage, in stage order, e.g. ["0-14", "15-29"]; '
-        "unset means an even split.",
+        "unset means the partitioner's plan for the model.",
+    )
+    kv_budget_bytes: int | None = Field(
+        None,
+        ge=1,
+        description="KV cache budget of each stage in bytes; unset means no limit "
+        "(--kv-budget-bytes overrides it).",
     )
 
     @field_validator("name")

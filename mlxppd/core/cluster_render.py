@@ -158,6 +158,8 @@ def render_cluster_toml(cfg: ClusterConfig) -> str:
         lines.append(f"secret_file = {_toml_value(c.secret_file)}")
     if c.layers is not None:
         lines.append(f"layers = {_toml_value(c.layers)}")
+    if c.kv_budget_bytes is not None:
+        lines.append(f"kv_budget_bytes = {c.kv_budget_bytes}")
     lines += ["", "[cluster.elastic]"]
     for key in ("enabled", "drain_timeout_s", "pressure_fraction", "cool_down_s"):
         lines.append(f"{key} = {_toml_value(getattr(c.elastic, key))}")

@@ -136,7 +136,7 @@ def run_local_cluster(template: NodeOptions, ranges: tuple[LayerRange, ...]) -> 
     """Start the stages, then the coordinator here; stop everything on exit or failure."""
     if len(ranges) < 2:
         raise ConfigurationError("a local cluster needs at least 2 stages", source="--pp-size")
-    cluster = LocalCluster(template.model, ranges, template.kv_budget_bytes)
+    cluster = LocalCluster(template.model, ranges, template.kv_budget_bytes, template.max_sequences)
     try:
         cluster.start_stages()
         return asyncio.run(run_coordinator_node(cluster.node_options(template)))

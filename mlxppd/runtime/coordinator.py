@@ -68,6 +68,7 @@ class Coordinator:
         *,
         connect_timeout_s: float = 60.0,
         micro_batch_size: int = 1,
+        parallel: int = 64,
     ) -> None:
         self.cluster = cluster
         self.transport = transport
@@ -82,6 +83,9 @@ class Coordinator:
         self._ready = False
         self._broken: str | None = None
         self._status: list[dict[str, Any]] = []
+        # --parallel: sequences generating at once; later requests wait for a slot.
+        self._slots = asyncio.Semaphore(parallel)
+        self.waiting = 0
         self._batcher = (
             MicroBatcher(micro_batch_size, self._send_group) if micro_batch_size > 1 else None
         )
@@ -175,6 +179,20 @@ class Coordinator:
         if not prompt:
             raise ValueError("the prompt is empty")
         seq = f"{request_id}.{next(self._seq)}"
+        self.waiting += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self.waiting -= 1
+        try:
+            async for item in self._generate(seq, prompt, params):
+                yield item
+        finally:
+            self._slots.release()
+
+    async def _generate(
+        self, seq: str, prompt: list[int], params: SamplingParams
+    ) -> AsyncIterator[TokenEvent]:
         await self._admit(seq, prompt, params)
         queue: asyncio.Queue[TokenEvent | _Broken] = asyncio.Queue()
         self._queues[seq] = queue

@@ -72,6 +72,7 @@ class LocalCluster:
     model: str | None
     ranges: tuple[LayerRange, ...]
     kv_budget_bytes: int | None = None
+    max_batch_size: int | None = None
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="mlxpp-local-")))
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
@@ -90,6 +91,8 @@ class LocalCluster:
         cmd += ["--cluster-secret-file", str(self.secret_file), "--ready-file", str(ready)]
         if self.model:
             cmd += ["--model", self.model]
+        if self.max_batch_size is not None:
+            cmd += ["--max-batch-size", str(self.max_batch_size)]
         if self.kv_budget_bytes is not None:
             cmd += ["--kv-budget-bytes", str(self.kv_budget_bytes)]
         return cmd

@@ -52,6 +52,7 @@ class NodeOptions:
     port: int = 8080
     kv_budget_bytes: int | None = None
     max_sequences: int = 64
+    parallel: int = 64
     warmup: bool = True
     alias: str | None = None
     api_key: str | None = None
@@ -122,7 +123,7 @@ async def run_stage_node(options: NodeOptions) -> int:
         runner, per_token = await mlx.run(load)
         kv = StageKvManager(
             stage_index=spec.index,
-            budget_bytes=options.kv_budget_bytes or _UNLIMITED,
+            budget_bytes=options.kv_budget_bytes or cluster.cluster.kv_budget_bytes or _UNLIMITED,
             bytes_per_token=per_token,
             max_sequences=options.max_sequences,
         )
@@ -165,6 +166,7 @@ async def start_coordinator(options: NodeOptions) -> Coordinator:
         load_tokenizer(model_dir),
         model_id,
         micro_batch_size=options.micro_batch_size,
+        parallel=options.parallel,
     )
     await coordinator.start(warmup=options.warmup)
     return coordinator
