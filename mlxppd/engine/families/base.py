@@ -9,11 +9,12 @@ layers (masks, caches, extra per-layer inputs) and how the ends work (embedding,
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import KVCache
 
 from mlxppd.core.stages import StageSpec
@@ -36,6 +37,26 @@ def layer_index(name: str) -> int | None:
 def owned(spec: StageSpec, layers: list[Any]) -> list[tuple[int, Any]]:
     """(global index, layer) for every layer this stage runs."""
     return [(i, layers[i]) for i in range(spec.start, spec.end)]
+
+
+def run_hybrid(
+    layers: list[tuple[int, Any]],
+    h: mx.array,
+    cache: list[Any],
+    is_attention: Callable[[Any], bool],
+) -> mx.array:
+    """Run attention and SSM blocks, each with its kind's mask.
+
+    The full model builds one mask per block kind from the first cache of that kind; every
+    cache of a kind has the same offset, so the stage's first one gives the same mask.
+    """
+    masks: dict[bool, Any] = {}
+    for (_, layer), c in zip(layers, cache, strict=True):
+        kind = is_attention(layer)
+        if kind not in masks:
+            masks[kind] = create_attention_mask(h, c) if kind else create_ssm_mask(h, c)
+        h = layer(h, mask=masks[kind], cache=c)
+    return h
 
 
 class Family:

@@ -11,11 +11,10 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from mlxppd.core.stages import StageSpec
-from mlxppd.engine.families.base import Family, owned
+from mlxppd.engine.families.base import Family, owned, run_hybrid
 
 
 class JambaFamily(Family):
@@ -33,16 +32,7 @@ class JambaFamily(Family):
     def run_layers(
         self, model: nn.Module, h: mx.array, cache: list[Any], spec: StageSpec
     ) -> mx.array:
-        # The full model builds one mask per block kind from the first cache of that kind; every
-        # cache of a kind has the same offset, so the stage's first one gives the same mask.
-        masks: dict[bool, Any] = {}
-        for (_, layer), c in zip(owned(spec, self.layers(model)), cache, strict=True):
-            if layer.is_attn not in masks:
-                masks[layer.is_attn] = (
-                    create_attention_mask(h, c) if layer.is_attn else create_ssm_mask(h, c)
-                )
-            h = layer(h, mask=masks[layer.is_attn], cache=c)
-        return h
+        return run_hybrid(owned(spec, self.layers(model)), h, cache, lambda block: block.is_attn)
 
     def head(self, model: nn.Module, h: mx.array) -> mx.array:
         inner = self.inner(model)

@@ -12,11 +12,10 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from mlxppd.core.stages import StageSpec
-from mlxppd.engine.families.base import Family, owned
+from mlxppd.engine.families.base import Family, owned, run_hybrid
 
 
 class Qwen3NextFamily(Family):
@@ -53,16 +52,9 @@ class Qwen3NextFamily(Family):
     def run_layers(
         self, model: nn.Module, h: mx.array, cache: list[Any], spec: StageSpec
     ) -> mx.array:
-        # One mask per block kind, from the stage's first cache of that kind (all caches of a
-        # kind share the offset the full model's first one has).
-        masks: dict[bool, Any] = {}
-        for (_, layer), c in zip(owned(spec, self.layers(model)), cache, strict=True):
-            if layer.is_linear not in masks:
-                masks[layer.is_linear] = (
-                    create_ssm_mask(h, c) if layer.is_linear else create_attention_mask(h, c)
-                )
-            h = layer(h, mask=masks[layer.is_linear], cache=c)
-        return h
+        return run_hybrid(
+            owned(spec, self.layers(model)), h, cache, lambda block: not block.is_linear
+        )
 
     def head(self, model: nn.Module, h: mx.array) -> mx.array:
         h = self.inner(model).norm(h)
