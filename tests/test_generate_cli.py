@@ -113,7 +113,7 @@ def test_help_explains_the_flags(cli_env: dict[str, str]) -> None:
     for flag in ("--pp-size", "--pp-layers", "--no-chat-template", "--json", "--seed"):
         assert flag in proc.stdout
     top = mlxppd("--help", env=cli_env)
-    assert "models path" in top.stdout and "generate" in top.stdout
+    assert "models path" in top.stdout and "generate" in top.stdout and "serve" in top.stdout
 
 
 def test_sampling_with_a_seed_is_reproducible(cli_env: dict[str, str]) -> None:

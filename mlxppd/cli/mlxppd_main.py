@@ -1,4 +1,4 @@
-"""``mlxppd``: the daemon's command line (generate, models; serve and the agent come later)."""
+"""``mlxppd``: the daemon's command line (serve, generate, models; the agent comes later)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,9 @@ _DESCRIPTION = """\
 mlxpp serves one MLX language model split by layers across several hosts.
 
 commands:
+  serve         serve the model: a local cluster (--pp-size N), one node of a cluster
+                (--distributed-config TOML --node-id ID), or every stage in-process;
+                the coordinator speaks the OpenAI API
   generate      run every pipeline stage in this process and stream one completion
   models path   print the local mlx-lm directory of a model (the embedded default:
                 SmolLM2-135M-Instruct, converted from its GGUF on first use)
