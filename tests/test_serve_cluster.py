@@ -241,3 +241,35 @@ def test_a_stage_that_fails_to_start_stops_everything_already_started(
     pids = [int(p) for p in re.findall(r"starting stage \d+/\d+ \(pid (\d+)\)", proc.stderr)]
     assert len(pids) == 2
     assert wait_gone(pids) == [], "a started stage was left running"
+
+
+def test_a_client_that_disconnects_frees_its_kv_on_every_stage(
+    tmp_path: Path, cli_env: dict[str, str]
+) -> None:
+    # Room for one request of this size on each stage, not two.
+    running = start_cluster(tmp_path, cli_env, "--pp-size", "2", "--kv-budget-bytes", "8000000")
+    try:
+        body = {
+            "messages": [{"role": "user", "content": "Tell me a very long story."}],
+            "max_tokens": 200,
+            "temperature": 0,
+            "stream": True,
+        }
+        url = f"{running.url}/v1/chat/completions"
+        with httpx.stream("POST", url, json=body, timeout=60) as response:
+            events = response.iter_lines()
+            next(line for line in events if line)
+            # While the first request holds its KV, a second one does not fit anywhere.
+            second = httpx.post(url, json={**body, "stream": False}, timeout=60)
+            assert second.status_code == 503, second.text
+        # The client is gone: its reservation is released on every stage, so it fits again.
+        deadline = time.monotonic() + 10
+        while True:
+            # Same reservation (prompt + 200 tokens); the stop string ends it early.
+            again = httpx.post(url, json={**body, "stream": False, "stop": ["."]}, timeout=120)
+            if again.status_code == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert again.status_code == 200, again.text
+    finally:
+        assert running.stop() == 0, running.log()
