@@ -78,7 +78,20 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="start, send PROMPT as one chat request over HTTP, print the answer, stop",
     )
     p.add_argument("--max-tokens", type=int, default=64, help="max_tokens for --once (default 64)")
+    p.add_argument(
+        "--metrics", action="store_true", help="serve Prometheus metrics at /metrics (coordinator)"
+    )
+    p.add_argument(
+        "--metrics-port", type=int, help="serve /metrics on this port too (0: any free port)"
+    )
+    p.add_argument(
+        "--debug-pp-trace",
+        type=Path,
+        metavar="PATH",
+        help="write a Chrome/Perfetto trace of every node to PATH on graceful shutdown",
+    )
     p.add_argument("--ready-file", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--metrics-ready-file", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--log-level", default="INFO", help="log level (default INFO)")
     p.set_defaults(func=run)
 
@@ -136,6 +149,10 @@ def run(args: argparse.Namespace) -> int:
         once_prompt=args.once,
         once_max_tokens=args.max_tokens,
         micro_batch_size=1 if micro == "auto" else int(micro),
+        metrics=args.metrics,
+        metrics_port=args.metrics_port,
+        metrics_ready_file=args.metrics_ready_file,
+        trace_path=args.debug_pp_trace,
     )
 
     def sized(options: NodeOptions, stages: int) -> NodeOptions:

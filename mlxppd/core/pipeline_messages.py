@@ -24,6 +24,7 @@ class ForwardMeta(_Meta):
     step: int = Field(ge=0, description="request-local step number (0 = first prefill chunk)")
     sample: bool = Field(description="last stage: sample a token from the last position")
     logprobs: bool = Field(False, description="last stage: also return the token's logprob")
+    sent_at: float | None = Field(None, description="sender's wall clock at send, seconds")
 
 
 class TokenMeta(_Meta):
@@ -50,6 +51,7 @@ class BatchForwardMeta(_Meta):
     step: int = Field(ge=0, description="group-local step number")
     sample: bool = True
     logprobs: bool = False
+    sent_at: float | None = Field(None, description="sender's wall clock at send, seconds")
 
 
 class BatchTokenMeta(_Meta):
@@ -93,6 +95,14 @@ class Configure(_Meta):
     next_host: str | None = Field(None, max_length=255)
     next_port: int | None = Field(None, ge=1, le=65535)
     next_node: str | None = Field(None, max_length=128)
+    trace: bool = Field(False, description="record trace events until asked for them")
+
+
+class TraceDump(_Meta):
+    """Send the recorded trace events (and forget them)."""
+
+    op: Literal["trace"] = "trace"
+    rid: int = Field(ge=0)
 
 
 class Status(_Meta):
@@ -100,10 +110,11 @@ class Status(_Meta):
     rid: int = Field(ge=0)
 
 
-Control = Annotated[Admit | Release | Configure | Status, Field(discriminator="op")]
-_CONTROL: TypeAdapter[Admit | Release | Configure | Status] = TypeAdapter(Control)
+Command = Admit | Release | Configure | Status | TraceDump
+Control = Annotated[Command, Field(discriminator="op")]
+_CONTROL: TypeAdapter[Command] = TypeAdapter(Control)
 
 
-def parse_control(meta: Any) -> Admit | Release | Configure | Status:
+def parse_control(meta: Any) -> Command:
     """A CONTROL message's metadata as its typed command (pydantic ValidationError if bad)."""
     return _CONTROL.validate_python(dict(meta))

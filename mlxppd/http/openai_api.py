@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from mlxppd.http.completion import ClientGone, Generation, Piece, TokenInfo
 from mlxppd.http.errors import ApiError, error_response, from_backend_error, invalid
@@ -29,6 +30,7 @@ from mlxppd.runtime.backend import (
     GenerationBackend,
     SamplingParams,
 )
+from mlxppd.runtime.metrics import PipelineMetrics
 
 log = logging.getLogger("mlxppd.http")
 
@@ -52,6 +54,8 @@ class _State:
     #: one thread: tokenizing a 4 MiB prompt must not stall the event loop, and one worker
     #: keeps HF tokenizers from being mutated from two threads at once
     tokenize: ThreadPoolExecutor | None = None
+    #: request counters (None: metrics off)
+    metrics: PipelineMetrics | None = None
 
     def context(self) -> int | None:
         if self.context_tokens is not None:
@@ -95,6 +99,7 @@ def create_app(
     max_context_tokens: int | None = None,
     default_max_tokens: int = DEFAULT_MAX_TOKENS,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    metrics: PipelineMetrics | None = None,
 ) -> web.Application:
     """The OpenAI API app.
 
@@ -103,6 +108,7 @@ def create_app(
     ``max_context_tokens``: prompt + max_tokens limit (default: the tokenizer's
     ``model_max_length`` when it is a real number, else prompts are capped at 32768 tokens).
     ``default_max_tokens``: chat completions without max_tokens (completions default to 16).
+    ``metrics``: count requests into it and serve ``GET /metrics`` from its registry.
     """
     if api_key is not None and not api_key:
         raise ValueError("api_key must not be empty; pass None to disable authentication")
@@ -113,6 +119,7 @@ def create_app(
         context_tokens=max_context_tokens,
         default_max_tokens=default_max_tokens,
         max_body_bytes=max_body_bytes,
+        metrics=metrics,
     )
     app = web.Application(client_max_size=max_body_bytes, middlewares=[_middleware])
     app[STATE] = state
@@ -122,6 +129,25 @@ def create_app(
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/v1/models/{model:.+}", _model)
     app.router.add_get("/health", _health)
+    if metrics is not None:
+        app.router.add_get("/metrics", metrics_handler(metrics))
+    return app
+
+
+def metrics_handler(
+    metrics: PipelineMetrics,
+) -> Callable[[web.Request], Awaitable[web.Response]]:
+    async def handler(request: web.Request) -> web.Response:
+        body = generate_latest(metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    return handler
+
+
+def create_metrics_app(metrics: PipelineMetrics) -> web.Application:
+    """``GET /metrics`` alone, for ``--metrics-port``."""
+    app = web.Application()
+    app.router.add_get("/metrics", metrics_handler(metrics))
     return app
 
 
@@ -194,6 +220,11 @@ async def _middleware(
         return error_response(from_backend_error(RuntimeError()), request_id)
     finally:
         tokens, note = info.tokens, info.note
+        if state.metrics is not None:
+            # The route pattern, not the raw path, keeps the label set small.
+            resource = request.match_info.route.resource
+            endpoint = resource.canonical if resource is not None else "other"
+            state.metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
         log.info(
             "%s %s %s %d %.3fs%s%s",
             request_id,

@@ -18,10 +18,11 @@ from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.layer_ranges import LayerRange
 from mlxppd.engine.families import family_for
 from mlxppd.engine.model_files import read_config
-from mlxppd.http.openai_api import create_app
+from mlxppd.http.openai_api import create_app, create_metrics_app
 from mlxppd.runtime.backend import GenerationBackend
 from mlxppd.runtime.inprocess_backend import InProcessBackend
 from mlxppd.runtime.local_cluster import LocalCluster
+from mlxppd.runtime.metrics import PipelineMetrics
 from mlxppd.runtime.mlx_thread import MlxThread
 from mlxppd.runtime.serve import NodeOptions, start_coordinator, stop_event, write_ready
 
@@ -36,24 +37,45 @@ async def serve_http(
 ) -> None:
     from aiohttp import web
 
-    app = create_app(backend, api_key=options.api_key, alias=options.alias)
+    metrics: PipelineMetrics | None = getattr(backend, "metrics", None)
+    app = create_app(
+        backend,
+        api_key=options.api_key,
+        alias=options.alias,
+        metrics=metrics if options.metrics else None,
+    )
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, options.host, options.port)
     await site.start()
-    # port 0 asks the OS for a free port; read back which one it chose
-    server: Any = site._server
-    sockets = server.sockets if server is not None else []
-    port = sockets[0].getsockname()[1] if sockets else options.port
-    url = f"http://{options.host}:{port}"
+    url = f"http://{options.host}:{_bound_port(site, options.port)}"
     log.info("coordinator: OpenAI API on %s/v1", url)
+    runners = [runner]
+    if metrics is not None and options.metrics_port is not None:
+        # A separate listener, e.g. bound where only the Prometheus server reaches it.
+        metrics_runner = web.AppRunner(create_metrics_app(metrics), access_log=None)
+        await metrics_runner.setup()
+        metrics_site = web.TCPSite(metrics_runner, options.host, options.metrics_port)
+        await metrics_site.start()
+        runners.append(metrics_runner)
+        port = _bound_port(metrics_site, options.metrics_port)
+        log.info("coordinator: metrics on http://%s:%d/metrics", options.host, port)
+        write_ready(options.metrics_ready_file, f"http://{options.host}:{port}\n")
     try:
         write_ready(options.ready_file, url + "\n")
         if on_ready is not None:
             on_ready(url)
         await (stop or stop_event()).wait()
     finally:
-        await runner.cleanup()
+        for r in runners:
+            await r.cleanup()
+
+
+def _bound_port(site: Any, asked: int) -> int:
+    # port 0 asks the OS for a free port; read back which one it chose
+    server: Any = site._server
+    sockets = server.sockets if server is not None else []
+    return int(sockets[0].getsockname()[1]) if sockets else asked
 
 
 async def run_coordinator_node(options: NodeOptions) -> int:

@@ -13,9 +13,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,7 +34,9 @@ from mlxppd.runtime.backend import (
     SamplingParams,
     TokenEvent,
 )
+from mlxppd.runtime.metrics import PipelineMetrics
 from mlxppd.runtime.micro_batcher import MicroBatcher
+from mlxppd.runtime.trace import TraceBuffer, TraceFile
 from mlxppd.wire.channel import SecureChannel
 from mlxppd.wire.codec import MessageKind
 from mlxppd.wire.errors import ChannelClosedError, FrameError
@@ -69,6 +74,8 @@ class Coordinator:
         connect_timeout_s: float = 60.0,
         micro_batch_size: int = 1,
         parallel: int = 64,
+        metrics: PipelineMetrics | None = None,
+        trace_path: Path | None = None,
     ) -> None:
         self.cluster = cluster
         self.transport = transport
@@ -86,6 +93,18 @@ class Coordinator:
         # --parallel: sequences generating at once; later requests wait for a slot.
         self._slots = asyncio.Semaphore(parallel)
         self.waiting = 0
+        self.active = 0
+        self.metrics = metrics
+        self._poller: asyncio.Task[None] | None = None
+        self._trace_file = TraceFile(trace_path) if trace_path is not None else None
+        self.trace = TraceBuffer(pid="coordinator", enabled=trace_path is not None)
+        if metrics is not None:
+            metrics.bind(
+                queue_depth=lambda: self.waiting,
+                active=lambda: self.active,
+                wire=transport.stats.snapshot,
+                rdma_fallbacks=self._rdma_fallbacks,
+            )
         self._batcher = (
             MicroBatcher(micro_batch_size, self._send_group) if micro_batch_size > 1 else None
         )
@@ -108,6 +127,7 @@ class Coordinator:
                     "next_host": nxt.host if nxt else None,
                     "next_port": nxt.port if nxt else None,
                     "next_node": nxt.id if nxt else None,
+                    "trace": self.trace.enabled,
                 },
             )
             if not reply.get("ok"):
@@ -120,7 +140,43 @@ class Coordinator:
             async for _ in self.generate("warmup", prompt, SamplingParams(max_tokens=2)):
                 pass
         self._ready = True
+        if self.metrics is not None:
+            self._poller = asyncio.create_task(self._poll_stages(), name="poll-stages")
         log.info("coordinator: %d stages connected and warm", len(self._links))
+
+    async def _poll_stages(self, every_s: float = 1.0) -> None:
+        """Stage reports for the metrics: one scrape of the coordinator covers the cluster."""
+        assert self.metrics is not None
+        while self._broken is None:
+            with contextlib.suppress(BackendUnavailable):
+                reports = await self.stage_status()
+                self.metrics.record_stage_reports(time.monotonic(), reports)
+            await asyncio.sleep(every_s)
+
+    def _rdma_fallbacks(self) -> int:
+        state = getattr(self.transport, "state", None)
+        if state is None:
+            return 0
+        return int(state.fallback_reason is not None) + int(state.peer_fallbacks)
+
+    async def flush_trace(self) -> bool:
+        """Merge every node's events into the trace file, once (a second call does nothing)."""
+        if self._trace_file is None or self._trace_file.written:
+            return False
+        events = self.trace.take()
+        for link in self._links:
+            if link.alive:
+                with contextlib.suppress(BackendUnavailable):
+                    # One clock: the stage's offset from ours, estimated from a status round
+                    # trip (the stage read its clock about halfway through it).
+                    sent = time.time()
+                    status = await self._request(link, {"op": "status"})
+                    offset_us = (float(status["now"]) - (sent + time.time()) / 2) * 1e6
+                    reply = await self._request(link, {"op": "trace"})
+                    for event in json.loads(reply.get("_payload", b"[]")):
+                        event["ts"] = float(event["ts"]) - offset_us
+                        events.append(event)
+        return self._trace_file.flush(events)
 
     async def _connect(self, node: Node) -> SecureChannel:
         deadline = asyncio.get_running_loop().time() + self._connect_timeout_s
@@ -133,6 +189,11 @@ class Coordinator:
                 await asyncio.sleep(0.2)
 
     async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+        await self.flush_trace()
         self._ready = False
         for link in self._links:
             if link.reader is not None:
@@ -179,15 +240,30 @@ class Coordinator:
         if not prompt:
             raise ValueError("the prompt is empty")
         seq = f"{request_id}.{next(self._seq)}"
+        self.trace.instant("batch_arrival", 0, seq=seq, prompt_tokens=len(prompt))
         self.waiting += 1
         try:
             await self._slots.acquire()
         finally:
             self.waiting -= 1
+        self.active += 1
+        started = last = time.monotonic()
+        produced = 0
         try:
             async for item in self._generate(seq, prompt, params):
+                now = time.monotonic()
+                if self.metrics is not None:
+                    if produced == 0:
+                        self.metrics.prompt_tokens.inc(len(prompt))
+                        self.metrics.ttft.observe(now - started)
+                    else:
+                        self.metrics.itl.observe(now - last)
+                    self.metrics.generation_tokens.inc()
+                produced += 1
+                last = now
                 yield item
         finally:
+            self.active -= 1
             self._slots.release()
 
     async def _generate(
@@ -255,16 +331,30 @@ class Coordinator:
                 if commit:  # another request took the room between dry run and commit
                     await self._release(seq)
                 d = refused[0].get("diagnostic") or {}
-                raise AdmissionRejected(
-                    AdmissionDiagnostic(
-                        stage_index=int(d.get("stage_index", -1)),
-                        reason=RejectReason(d.get("reason", "rejected_by_stage")),
-                        required_bytes=int(d.get("required_bytes", 0)),
-                        used_memory_bytes=int(d.get("used_memory_bytes", 0)),
-                        budget_bytes=int(d.get("budget_bytes", 0)),
-                        active_sequences=int(d.get("active_sequences", 0)),
-                    )
+                diagnostic = AdmissionDiagnostic(
+                    stage_index=int(d.get("stage_index", -1)),
+                    reason=RejectReason(d.get("reason", "rejected_by_stage")),
+                    required_bytes=int(d.get("required_bytes", 0)),
+                    used_memory_bytes=int(d.get("used_memory_bytes", 0)),
+                    budget_bytes=int(d.get("budget_bytes", 0)),
+                    active_sequences=int(d.get("active_sequences", 0)),
                 )
+                self._rejected(seq, diagnostic)
+                raise AdmissionRejected(diagnostic)
+
+    def _rejected(self, seq: str, d: AdmissionDiagnostic) -> None:
+        """An OOM diagnostic: one log line, the counter, a trace event."""
+        log.warning(
+            "admission rejected: %s stage=%d reason=%s required=%d used=%d budget=%d active=%d",
+            seq, d.stage_index, d.reason.value, d.required_bytes, d.used_memory_bytes,
+            d.budget_bytes, d.active_sequences,
+        )  # fmt: skip
+        if self.metrics is not None:
+            self.metrics.rejections.labels(stage=str(d.stage_index), reason=d.reason.value).inc()
+        self.trace.instant(
+            "admission_reject", 0, seq=seq, stage=d.stage_index, reason=d.reason.value,
+            required_bytes=d.required_bytes, available_bytes=d.available_bytes,
+        )  # fmt: skip
 
     async def _release(self, seq: str) -> None:
         for link in self._links:
@@ -315,7 +405,10 @@ class Coordinator:
                 if message.kind is MessageKind.REPLY:
                     future = self._replies.get(int(message.meta.get("rid", -1)))
                     if future is not None and not future.done():
-                        future.set_result(dict(message.meta))
+                        reply = dict(message.meta)
+                        if message.tensor is not None:
+                            reply["_payload"] = bytes(message.tensor.data)
+                        future.set_result(reply)
                 elif (
                     message.kind is MessageKind.TOKENS
                     and message.tensor is not None

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from prometheus_client import CollectorRegistry
+
 from mlxppd.core.cluster_config import ClusterConfig, NodeRole, load_cluster_config
 from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.kv_admission import StageKvManager
@@ -30,6 +32,7 @@ from mlxppd.engine.stage import load_stage
 from mlxppd.engine.stage_runner import StageRunner
 from mlxppd.engine.tokenizer import load_tokenizer
 from mlxppd.runtime.coordinator import Coordinator
+from mlxppd.runtime.metrics import PipelineMetrics
 from mlxppd.runtime.mlx_thread import MlxThread
 from mlxppd.runtime.stage_worker import StageWorker
 from mlxppd.wire.backends import create_transport, wire_config_for
@@ -60,6 +63,10 @@ class NodeOptions:
     once_prompt: str | None = None
     once_max_tokens: int = 64
     micro_batch_size: int = 1
+    metrics: bool = False
+    metrics_port: int | None = None
+    metrics_ready_file: Path | None = None
+    trace_path: Path | None = None
 
 
 def stop_event() -> asyncio.Event:
@@ -167,6 +174,12 @@ async def start_coordinator(options: NodeOptions) -> Coordinator:
         model_id,
         micro_batch_size=options.micro_batch_size,
         parallel=options.parallel,
+        metrics=(
+            PipelineMetrics(CollectorRegistry())
+            if options.metrics or options.metrics_port is not None
+            else None
+        ),
+        trace_path=options.trace_path,
     )
     await coordinator.start(warmup=options.warmup)
     return coordinator

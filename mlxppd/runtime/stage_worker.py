@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -27,12 +28,15 @@ from mlxppd.core.pipeline_messages import (
     ForwardMeta,
     Release,
     Status,
+    TraceDump,
     parse_control,
 )
+from mlxppd.core.stage_accounting import ActivityClock, LatencyHistogram
 from mlxppd.core.stages import StageSpec
 from mlxppd.engine.stage_runner import StageRunner
 from mlxppd.engine.wire_tensors import from_wire, to_wire
 from mlxppd.runtime.mlx_thread import MlxThread
+from mlxppd.runtime.trace import TraceBuffer, now_us
 from mlxppd.wire.channel import SecureChannel
 from mlxppd.wire.codec import Message, MessageKind
 from mlxppd.wire.errors import ChannelClosedError, FrameError
@@ -72,6 +76,9 @@ class StageWorker:
         self.transport = transport
         self.mlx = mlx
         self.stats = StageStats()
+        self.clock = ActivityClock(started=time.monotonic())
+        self.latency = LatencyHistogram()
+        self.trace = TraceBuffer(pid=f"stage-{spec.index}", enabled=False)
         self._work: asyncio.Queue[_Item] = asyncio.Queue()
         self._out: asyncio.Queue[tuple[MessageKind, dict[str, Any], Any]] = asyncio.Queue()
         self._downstream: SecureChannel | None = None
@@ -134,9 +141,11 @@ class StageWorker:
         if message.kind is MessageKind.ACTIVATION:
             if "group" in message.meta:
                 batch = BatchForwardMeta.model_validate(dict(message.meta))
+                self._arrived(batch.sent_at, message)
                 await self._work.put(("forward_group", (batch, message.tensor)))
             else:
                 meta = ForwardMeta.model_validate(dict(message.meta))
+                self._arrived(meta.sent_at, message)
                 await self._work.put(("forward", (meta, message.tensor)))
             return
         if message.kind is not MessageKind.CONTROL:
@@ -150,9 +159,20 @@ class StageWorker:
             await self._work.put(("release", command.seq))
         elif isinstance(command, Status):
             await channel.send(MessageKind.REPLY, {"rid": command.rid, **self.status()})
+        elif isinstance(command, TraceDump):
+            # Events can be many: they travel as a JSON byte tensor, not as metadata.
+            payload = np.frombuffer(json.dumps(self.trace.take()).encode(), dtype=np.uint8)
+            await channel.send(MessageKind.REPLY, {"rid": command.rid, "events": True}, payload)
+
+    def _arrived(self, sent_at: float | None, message: Message) -> None:
+        nbytes = message.tensor.nbytes if message.tensor is not None else 0
+        if sent_at is not None:
+            self.latency.observe(time.time() - sent_at)
+        self.trace.instant("activation_recv", self.spec.index, bytes=nbytes, direction="recv")
 
     async def _configure(self, channel: SecureChannel, command: Configure) -> None:
         self._coordinator = channel
+        self.trace.enabled = command.trace
         reply: dict[str, Any] = {"rid": command.rid, "ok": True}
         if command.next_host is not None and command.next_port is not None:
             try:
@@ -172,6 +192,7 @@ class StageWorker:
         problem = self.kv.dry_run(request)
         if problem is None and command.commit:
             self.kv.commit(request)
+            self.clock.set_active(len(self.kv.reserved), time.monotonic())
             if self.spec.has_lm_head:
                 self.runner.set_sampling(
                     command.seq, command.temperature, command.top_p, command.seed
@@ -202,6 +223,11 @@ class StageWorker:
             "protocol_errors": self.stats.protocol_errors,
             "batched_passes": self.stats.batched_passes,
             "batched_rows": self.stats.batched_rows,
+            **self.clock.snapshot(time.monotonic()),
+            "activation_latency": self.latency.to_dict(),
+            "wire": self.transport.stats.snapshot(),
+            "trace_dropped": self.trace.dropped,
+            "now": time.time(),
         }
 
     # -- compute and send ----------------------------------------------------------------------
@@ -215,11 +241,20 @@ class StageWorker:
                 await self._forward_group(*arg)
             elif op == "release":
                 self.kv.release(arg)
+                self.clock.set_active(len(self.kv.reserved), time.monotonic())
                 await self.mlx.run(functools.partial(self.runner.release, str(arg)))
             elif op == "release_all":
                 for held in list(self.kv.reserved):
                     self.kv.release(held)
+                self.clock.set_active(0, time.monotonic())
                 await self.mlx.run(self.runner.release_all)
+
+    def _computed(self, started: float, start_us: float, rows: int) -> None:
+        elapsed = time.monotonic() - started
+        self.stats.busy_s += elapsed
+        self.stats.forwards += 1
+        self.clock.busy(elapsed)
+        self.trace.span("stage", self.spec.index, start_us, now_us(), rows=rows)
 
     async def _forward(self, meta: ForwardMeta, tensor: Any) -> None:
         started = time.monotonic()
@@ -231,16 +266,16 @@ class StageWorker:
                 return self.runner.forward_and_sample(meta.seq, x, meta.logprobs)
             return to_wire(self.runner.forward(meta.seq, x))
 
+        start_us = now_us()
         result = await self.mlx.run(run)
-        self.stats.busy_s += time.monotonic() - started
-        self.stats.forwards += 1
+        self._computed(started, start_us, rows=1)
         if self.spec.has_lm_head:
             if sample:
                 token = np.array([result.token], dtype=np.int32)
                 out_meta = {"seq": meta.seq, "step": meta.step, "logprob": result.logprob}
                 await self._out.put((MessageKind.TOKENS, out_meta, token))
             return
-        await self._out.put((MessageKind.ACTIVATION, meta.model_dump(), result))
+        await self._out.put((MessageKind.ACTIVATION, meta.model_dump(exclude={"sent_at"}), result))
 
     async def _forward_group(self, meta: BatchForwardMeta, tensor: Any) -> None:
         started = time.monotonic()
@@ -254,6 +289,7 @@ class StageWorker:
                 return self.runner.forward_group_and_sample(meta.group, meta.seqs, x, meta.logprobs)
             return to_wire(self.runner.forward_group(meta.group, meta.seqs, x))
 
+        start_us = now_us()
         try:
             result = await self.mlx.run(run)
         except Exception as exc:
@@ -265,8 +301,7 @@ class StageWorker:
             error = {"group": meta.group, "seqs": meta.seqs, "message": str(exc)}
             await self._out.put((MessageKind.ERROR, error, None))
             return
-        self.stats.busy_s += time.monotonic() - started
-        self.stats.forwards += 1
+        self._computed(started, start_us, rows=len(meta.seqs))
         self.stats.batched_passes += 1
         self.stats.batched_rows += len(meta.seqs)
         if last:
@@ -279,7 +314,7 @@ class StageWorker:
             }
             await self._out.put((MessageKind.TOKENS, out_meta, tokens))
             return
-        await self._out.put((MessageKind.ACTIVATION, meta.model_dump(), result))
+        await self._out.put((MessageKind.ACTIVATION, meta.model_dump(exclude={"sent_at"}), result))
 
     async def _send_loop(self) -> None:
         while True:
@@ -289,6 +324,12 @@ class StageWorker:
             if target is None:
                 log.warning("stage %d: no %s channel; dropping output", self.spec.index, kind.name)
                 continue
+            if kind is MessageKind.ACTIVATION:
+                meta = {**meta, "sent_at": time.time()}
+                nbytes = tensor.nbytes if tensor is not None else 0
+                self.trace.instant(
+                    "activation_send", self.spec.index, bytes=nbytes, direction="send"
+                )
             try:
                 await target.send(kind, meta, tensor)
             except ChannelClosedError as exc:
