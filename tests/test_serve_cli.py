@@ -23,6 +23,7 @@ def serve(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
         (["--parallel", "0"], "--parallel: must be at least 1"),
         (["--max-batch-size", "0"], "--max-batch-size: must be at least 1"),
         (["--pp-layers", "0-10,12-29"], "layer 11"),
+        (["--metrics"], "--metrics, --metrics-port and --debug-pp-trace need a pipeline"),
         (["--distributed-config", "etc/mlxpp/cluster.toml"], "--node-id is required"),
         (
             ["--distributed-config", "etc/mlxpp/cluster.toml", "--node-id", "x", "--pp-size", "2"],

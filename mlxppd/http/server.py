@@ -132,6 +132,13 @@ async def ask_once(backend: GenerationBackend, options: NodeOptions) -> None:
 
 async def run_inprocess(options: NodeOptions, model_dir: Path) -> int:
     """Every stage in this process (no cluster): the same HTTP API over one process."""
+    if options.metrics or options.metrics_port is not None or options.trace_path is not None:
+        # Stage metrics and traces come from stage workers; say so rather than serve nothing.
+        raise ConfigurationError(
+            "--metrics, --metrics-port and --debug-pp-trace need a pipeline; "
+            "add --pp-size 2 (or more) or --distributed-config",
+            source="mlxppd serve",
+        )
     config = read_config(model_dir)
     ranges = ((0, family_for(config).num_layers(config)),)
     mlx = MlxThread("mlx")
