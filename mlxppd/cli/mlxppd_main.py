@@ -1,4 +1,4 @@
-"""``mlxppd``: the daemon's command line (serve, generate, models; the agent comes later)."""
+"""``mlxppd``: the daemon's command line (agent, check, serve, generate, models)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,16 @@ import sys
 from collections.abc import Sequence
 
 from mlxppd import __version__
-from mlxppd.cli import serve_command
+from mlxppd.cli import agent_command, serve_command
 from mlxppd.cli.common import run_guarded
 
 _DESCRIPTION = """\
 mlxpp serves one MLX language model split by layers across several hosts.
 
 commands:
+  agent         (the default) run this host's node from the config directory
+                (/etc/mlxpp: cluster.toml + mlxppd.toml); reconciles on change and SIGHUP
+  check         validate the config directory without starting anything
   serve         serve the model: a local cluster (--pp-size N), one node of a cluster
                 (--distributed-config TOML --node-id ID), or every stage in-process;
                 the coordinator speaks the OpenAI API
@@ -91,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _generate_parser(sub)
     _models_parser(sub)
+    agent_command.register(sub)
     serve_command.register(sub)
     return parser
 
@@ -132,14 +136,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_guarded("mlxppd", lambda: _generate(args))
     if args.command == "models":
         return run_guarded("mlxppd", lambda: _models_path(args))
-    func = getattr(args, "func", None)
-    if func is not None:
-        code = run_guarded("mlxppd", lambda: int(func(args)))
-        if args.command == "serve":
-            serve_command.exit_now(code)
-        return code
-    parser.print_help(sys.stderr)
-    return 2
+    if args.command is None:
+        args = agent_command.default_args()
+    func = args.func
+    code = run_guarded("mlxppd", lambda: int(func(args)))
+    if args.command in ("serve", "agent"):
+        serve_command.exit_now(code)
+    return code
 
 
 if __name__ == "__main__":

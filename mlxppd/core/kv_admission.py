@@ -17,6 +17,8 @@ class RejectReason(StrEnum):
     SEQUENCE_CAP = "sequence_cap"
     ALREADY_CACHED = "already_cached"
     REJECTED_BY_STAGE = "rejected_by_stage"
+    DRAINING = "draining"
+    PLAN_MISMATCH = "plan_mismatch"
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,16 @@ class AdmissionDiagnostic:
             return (
                 f"stage {self.stage_index} already holds {self.active_sequences} sequences, its "
                 "limit; retry shortly"
+            )
+        if self.reason is RejectReason.DRAINING:
+            return (
+                f"stage {self.stage_index} is draining (a reload or shutdown); retry after "
+                "Retry-After seconds"
+            )
+        if self.reason is RejectReason.PLAN_MISMATCH:
+            return (
+                f"stage {self.stage_index} holds other layers than the coordinator expects "
+                "(the cluster is changing its layer ranges); retry after Retry-After seconds"
             )
         if self.reason is RejectReason.ALREADY_CACHED:
             return f"stage {self.stage_index} already holds this sequence id"

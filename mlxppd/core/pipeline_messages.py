@@ -80,6 +80,12 @@ class Admit(_Meta):
     temperature: float = Field(0.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = None
+    plan: list[tuple[int, int]] | None = Field(
+        None,
+        max_length=4096,
+        description="[start, end) layers of every stage as the coordinator expects them; a "
+        "stage holding other layers refuses (plan_mismatch)",
+    )
 
 
 class Release(_Meta):

@@ -10,7 +10,7 @@ from typing import Any
 
 from aiohttp import web
 
-from mlxppd.runtime.backend import AdmissionRejected, BackendUnavailable
+from mlxppd.runtime.backend import AdmissionClosed, AdmissionRejected, BackendUnavailable
 
 INVALID_REQUEST = "invalid_request_error"
 
@@ -79,6 +79,14 @@ def from_backend_error(exc: BaseException) -> ApiError:
                 "required_bytes": d.required_bytes,
             },
             headers={"Retry-After": str(ADMISSION_RETRY_AFTER_S)},
+        )
+    if isinstance(exc, AdmissionClosed):
+        return ApiError(
+            503,
+            str(exc),
+            type="service_unavailable",
+            code="admission_closed",
+            headers={"Retry-After": str(exc.retry_after_s)},
         )
     if isinstance(exc, BackendUnavailable):
         return ApiError(

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from mlxppd.http.admin_api import AdminApi, add_admin_routes
 from mlxppd.http.completion import ClientGone, Generation, Piece, TokenInfo
 from mlxppd.http.errors import ApiError, error_response, from_backend_error, invalid
 from mlxppd.http.responses import Shape
@@ -100,6 +101,7 @@ def create_app(
     default_max_tokens: int = DEFAULT_MAX_TOKENS,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     metrics: PipelineMetrics | None = None,
+    admin: AdminApi | None = None,
 ) -> web.Application:
     """The OpenAI API app.
 
@@ -109,6 +111,8 @@ def create_app(
     ``model_max_length`` when it is a real number, else prompts are capped at 32768 tokens).
     ``default_max_tokens``: chat completions without max_tokens (completions default to 16).
     ``metrics``: count requests into it and serve ``GET /metrics`` from its registry.
+    ``admin``: also serve the signed admin API under /admin/v1 (see admin_api.py); the api key
+    does not apply there, and an admin signature opens nothing under /v1.
     """
     if api_key is not None and not api_key:
         raise ValueError("api_key must not be empty; pass None to disable authentication")
@@ -131,6 +135,10 @@ def create_app(
     app.router.add_get("/health", _health)
     if metrics is not None:
         app.router.add_get("/metrics", metrics_handler(metrics))
+    if admin is not None:
+        add_admin_routes(
+            app, admin.controller, admin.verifier, on_auth_failure=admin.on_auth_failure
+        )
     return app
 
 
@@ -167,6 +175,7 @@ async def _off_loop(state: _State, fn: Callable[[], T]) -> T:
 
 
 def _authorized(state: _State, request: web.Request) -> bool:
+    # Only /v1 takes the bearer key; /admin routes check their own signatures.
     if state.api_key is None or not request.path.startswith("/v1/"):
         return True
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")

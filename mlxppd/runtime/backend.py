@@ -55,6 +55,14 @@ class BackendUnavailable(MlxppError):
     """The pipeline is not (or no longer) able to serve: a stage is down or not yet warm."""
 
 
+class AdmissionClosed(BackendUnavailable):
+    """Admission is stopped on purpose (drain, reload, shutdown): retry after ``retry_after_s``."""
+
+    def __init__(self, reason: str, retry_after_s: int = 2):
+        self.retry_after_s = retry_after_s
+        super().__init__(reason)
+
+
 class GenerationBackend(Protocol):
     @property
     def model_id(self) -> str: ...

@@ -26,8 +26,10 @@ import numpy as np
 from mlxppd.core.cluster_config import ClusterConfig, Node
 from mlxppd.core.errors import TemporaryError
 from mlxppd.core.kv_admission import AdmissionDiagnostic, RejectReason
+from mlxppd.core.layer_ranges import LayerRange
 from mlxppd.core.pipeline_messages import BatchTokenMeta, TokenMeta
 from mlxppd.runtime.backend import (
+    AdmissionClosed,
     AdmissionRejected,
     BackendUnavailable,
     Health,
@@ -76,8 +78,12 @@ class Coordinator:
         parallel: int = 64,
         metrics: PipelineMetrics | None = None,
         trace_path: Path | None = None,
+        plan: tuple[LayerRange, ...] | None = None,
     ) -> None:
         self.cluster = cluster
+        # The layer ranges the stages must hold; sent with every admission so a stage that
+        # holds others (mid-reload) refuses instead of computing the wrong layers.
+        self.plan = plan
         self.transport = transport
         self._tokenizer = tokenizer
         self._model_id = model_id
@@ -232,6 +238,28 @@ class Coordinator:
         """Each stage's own report (KV use, busy fraction, forwards)."""
         return [await self._request(link, {"op": "status"}) for link in self._links]
 
+    @property
+    def connected(self) -> bool:
+        """Every stage link is up (False once one was lost: the pipeline must reconnect)."""
+        return self._broken is None and all(link.alive for link in self._links)
+
+    def link_alive(self, node_id: str) -> bool:
+        return any(link.alive for link in self._links if link.node.id == node_id)
+
+    async def stage_reports(self) -> dict[str, dict[str, Any] | None]:
+        """Each connected stage's report by node id; None for a stage that did not answer."""
+
+        async def one(link: _StageLink) -> dict[str, Any] | None:
+            if not link.alive:
+                return None
+            try:
+                return await self._request(link, {"op": "status"})
+            except BackendUnavailable:
+                return None
+
+        replies = await asyncio.gather(*(one(link) for link in self._links))
+        return {link.node.id: reply for link, reply in zip(self._links, replies, strict=True)}
+
     async def generate(
         self, request_id: str, prompt: list[int], params: SamplingParams
     ) -> AsyncIterator[TokenEvent]:
@@ -322,6 +350,8 @@ class Coordinator:
             "top_p": params.top_p,
             "seed": params.seed,
         }
+        if self.plan is not None:
+            command["plan"] = [[r.start, r.end] for r in self.plan]
         for commit in (False, True):
             replies = await asyncio.gather(
                 *(self._request(link, {**command, "commit": commit}) for link in self._links)
@@ -340,6 +370,8 @@ class Coordinator:
                     active_sequences=int(d.get("active_sequences", 0)),
                 )
                 self._rejected(seq, diagnostic)
+                if diagnostic.reason in (RejectReason.DRAINING, RejectReason.PLAN_MISMATCH):
+                    raise AdmissionClosed(diagnostic.message())
                 raise AdmissionRejected(diagnostic)
 
     def _rejected(self, seq: str, d: AdmissionDiagnostic) -> None:

@@ -75,6 +75,12 @@ class PipelineMetrics:
         self.config_reload_failures = Counter(
             "mlxpp_config_reload_failures", "Config reloads that failed to load", registry=r
         )
+        self.admin_auth_failures = Counter(
+            "mlxpp_admin_auth_failures",
+            "Admin API requests refused for their signature",
+            ["reason"],
+            registry=r,
+        )
         self._stages: dict[int, _StageHistory] = {}
         self._queue_depth: Callable[[], int] = lambda: 0
         self._active: Callable[[], int] = lambda: 0

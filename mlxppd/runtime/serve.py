@@ -18,22 +18,16 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from mlxppd.core.agent_desired import cluster_layer_plan
 from mlxppd.core.cluster_config import ClusterConfig, NodeRole, load_cluster_config
 from mlxppd.core.errors import ConfigurationError
-from mlxppd.core.kv_admission import StageKvManager
-from mlxppd.core.layer_ranges import LayerRange, parse_pp_layers
-from mlxppd.core.model_profile import profile_from_config
-from mlxppd.core.partition import balance_layers
 from mlxppd.core.stages import StageSpec
-from mlxppd.engine.families.base import text_config
-from mlxppd.engine.kv_sizing import kv_bytes_per_token
 from mlxppd.engine.model_files import read_config, resolve_model_dir
-from mlxppd.engine.stage import load_stage
-from mlxppd.engine.stage_runner import StageRunner
 from mlxppd.engine.tokenizer import load_tokenizer
 from mlxppd.runtime.coordinator import Coordinator
 from mlxppd.runtime.metrics import PipelineMetrics
 from mlxppd.runtime.mlx_thread import MlxThread
+from mlxppd.runtime.stage_loader import load_stage_runner, stage_kv_manager
 from mlxppd.runtime.stage_worker import StageWorker
 from mlxppd.wire.backends import create_transport, wire_config_for
 from mlxppd.wire.secret import load_cluster_secret
@@ -95,16 +89,6 @@ def write_ready(path: Path | None, text: str) -> None:
     os.replace(tmp, path)
 
 
-def cluster_layer_plan(cluster: ClusterConfig, config: dict[str, Any]) -> tuple[LayerRange, ...]:
-    """``[cluster] layers`` when given (validated against the model, adjacency included);
-    otherwise the auto partitioner's plan, which every node computes identically."""
-    profile = profile_from_config(config)
-    if cluster.cluster.layers is not None:
-        text = ",".join(cluster.cluster.layers)
-        return parse_pp_layers(text, profile.num_layers, profile.adjacency_groups)
-    return balance_layers(profile, cluster.cluster.pipeline_parallel_size).ranges
-
-
 async def run_stage_node(options: NodeOptions) -> int:
     cluster, secret = _load_cluster(options)
     node = cluster.find_node(options.node_id)
@@ -121,18 +105,12 @@ async def run_stage_node(options: NodeOptions) -> int:
     spec = StageSpec(node.stage, len(ranges), layers.start, layers.end)
     mlx = MlxThread(f"mlx-stage{node.stage}")
     try:
-
-        def load() -> tuple[StageRunner, int]:
-            stage = load_stage(model_dir, spec, config)
-            per_token = kv_bytes_per_token(stage, int(text_config(config)["hidden_size"]))
-            return StageRunner(stage), per_token
-
-        runner, per_token = await mlx.run(load)
-        kv = StageKvManager(
-            stage_index=spec.index,
-            budget_bytes=options.kv_budget_bytes or cluster.cluster.kv_budget_bytes or _UNLIMITED,
-            bytes_per_token=per_token,
-            max_sequences=options.max_sequences,
+        runner, per_token = await load_stage_runner(mlx, model_dir, spec, config)
+        kv = stage_kv_manager(
+            spec,
+            per_token,
+            options.kv_budget_bytes or cluster.cluster.kv_budget_bytes,
+            options.max_sequences,
         )
         transport = create_transport(
             cluster.cluster.transport_backend, wire_config_for(cluster, node.id, secret)

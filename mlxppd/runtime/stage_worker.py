@@ -14,13 +14,19 @@ import functools
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 from pydantic import ValidationError
 
-from mlxppd.core.kv_admission import AdmissionRequest, StageKvManager
+from mlxppd.core.kv_admission import (
+    AdmissionDiagnostic,
+    AdmissionRequest,
+    RejectReason,
+    StageKvManager,
+)
 from mlxppd.core.pipeline_messages import (
     Admit,
     BatchForwardMeta,
@@ -69,6 +75,8 @@ class StageWorker:
         kv: StageKvManager,
         transport: Transport,
         mlx: MlxThread,
+        *,
+        extras: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         self.spec = spec
         self.runner = runner
@@ -85,6 +93,10 @@ class StageWorker:
         self._coordinator: SecureChannel | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._listener: Listener | None = None
+        # Closed while draining (reload, shutdown): admits are refused, running sequences finish.
+        self.admitting = True
+        # What the agent adds to each status report (config generation, reload error, ...).
+        self._extras = extras or dict
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
         self._tasks = [
@@ -94,6 +106,41 @@ class StageWorker:
         for task in self._tasks:
             task.add_done_callback(_log_exit)
         self._listener = await self.transport.listen(host, port, self._serve)
+        return self._listener.address
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        return self._listener.address if self._listener is not None else None
+
+    async def drain(self, timeout_s: float, poll_s: float = 0.05) -> bool:
+        """Stop admitting; True once no sequence holds KV here, False at the timeout."""
+        self.admitting = False
+        deadline = time.monotonic() + timeout_s
+        while self.kv.reserved:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(poll_s)
+        return True
+
+    def resume(self) -> None:
+        self.admitting = True
+
+    async def swap(self, spec: StageSpec, runner: StageRunner, kv: StageKvManager) -> None:
+        """Serve new layers from now on. Queued after any earlier work, so nothing in flight
+        runs half on the old layers and half on the new."""
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        await self._work.put(("swap", (spec, runner, kv, done)))
+        await done
+
+    async def rebind(self, transport: Transport, host: str, port: int) -> tuple[str, int]:
+        """Listen again (another address or transport); peers reconnect to the new one."""
+        if self._listener is not None:
+            await self._listener.close()
+        if self._downstream is not None and self._downstream is not self._coordinator:
+            await self._downstream.close()
+        self._downstream = None
+        self.transport = transport
+        self._listener = await transport.listen(host, port, self._serve)
         return self._listener.address
 
     async def close(self) -> None:
@@ -189,7 +236,7 @@ class StageWorker:
 
     def _admit(self, command: Admit) -> dict[str, Any]:
         request = AdmissionRequest(command.seq, command.prompt_tokens, command.max_tokens)
-        problem = self.kv.dry_run(request)
+        problem = self._closed_reason(command) or self.kv.dry_run(request)
         if problem is None and command.commit:
             self.kv.commit(request)
             self.clock.set_active(len(self.kv.reserved), time.monotonic())
@@ -209,6 +256,25 @@ class StageWorker:
             }
         return reply
 
+    def _closed_reason(self, command: Admit) -> AdmissionDiagnostic | None:
+        reason = None
+        if not self.admitting:
+            reason = RejectReason.DRAINING
+        elif command.plan is not None:
+            mine = (self.spec.start, self.spec.end)
+            if len(command.plan) != self.spec.num_stages or command.plan[self.spec.index] != mine:
+                reason = RejectReason.PLAN_MISMATCH
+        if reason is None:
+            return None
+        return AdmissionDiagnostic(
+            stage_index=self.spec.index,
+            reason=reason,
+            required_bytes=0,
+            used_memory_bytes=self.kv.used_bytes,
+            budget_bytes=self.kv.budget_bytes,
+            active_sequences=len(self.kv.reserved),
+        )
+
     def status(self) -> dict[str, Any]:
         elapsed = max(time.monotonic() - self.stats.started, 1e-9)
         return {
@@ -227,7 +293,9 @@ class StageWorker:
             "activation_latency": self.latency.to_dict(),
             "wire": self.transport.stats.snapshot(),
             "trace_dropped": self.trace.dropped,
+            "admission": "open" if self.admitting else "draining",
             "now": time.time(),
+            **self._extras(),
         }
 
     # -- compute and send ----------------------------------------------------------------------
@@ -248,6 +316,11 @@ class StageWorker:
                     self.kv.release(held)
                 self.clock.set_active(0, time.monotonic())
                 await self.mlx.run(self.runner.release_all)
+            elif op == "swap":
+                spec, runner, kv, done = arg
+                self.spec, self.runner, self.kv = spec, runner, kv
+                self.clock.set_active(len(kv.reserved), time.monotonic())
+                done.set_result(None)
 
     def _computed(self, started: float, start_us: float, rows: int) -> None:
         elapsed = time.monotonic() - started

@@ -1,0 +1,157 @@
+"""``mlxppd agent`` (also plain ``mlxppd``) and ``mlxppd check``: the config-directory daemon."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+from typing import Any
+
+_AGENT_EPILOG = """\
+files in the config directory (default /etc/mlxpp, or MLXPP_CONFIG_DIR):
+  cluster.toml   the cluster: the same file on every host (see etc/mlxpp/cluster.toml)
+  mlxppd.toml    this host: node_id, model, secret_file, http_host, http_port, api_key,
+                 kv_budget_bytes, log_level, state_dir, ... (all optional)
+precedence: flags > environment MLXPP_<FIELD> (e.g. MLXPP_HTTP_PORT) > mlxppd.toml > defaults
+
+The agent reconciles what runs with the files: at start, when a file changes, on SIGHUP,
+and every reconcile_interval_s. A file that fails to load changes nothing (the error is
+logged and shown by `mlxppctl status`). SIGTERM drains: no new requests, in-flight ones
+finish (up to drain_timeout_s), then exit 0. Under systemd it speaks sd_notify
+(Type=notify, READY=1 once serving, WATCHDOG=1).
+
+examples:
+  mlxppd check --config-dir /etc/mlxpp
+  mlxppd agent --config-dir ./etc/mlxpp --node-id stage-0
+"""
+
+
+def _config_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--config-dir",
+        help="directory with cluster.toml and mlxppd.toml (default: MLXPP_CONFIG_DIR or "
+        "/etc/mlxpp)",
+    )
+    p.add_argument("--node-id", help="this host's node id (default: found by its addresses)")
+    p.add_argument("-m", "--model", help="mlx-lm model directory (default: the embedded model)")
+    p.add_argument("--cluster-secret-file", help="file holding the cluster secret (>= 16 bytes)")
+    p.add_argument("--http-host", help="coordinator HTTP listen address (default 127.0.0.1)")
+    p.add_argument("--http-port", type=int, help="coordinator HTTP port (default 8080)")
+    p.add_argument("--kv-budget-bytes", type=int, help="this stage's KV cache budget, bytes")
+    p.add_argument(
+        "--log-level", choices=["debug", "info", "warning", "error"], help="default: info"
+    )
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    agent = sub.add_parser(
+        "agent",
+        help="run this host's node from the config directory (the default command)",
+        description="Run this host's part of the cluster declared in the config directory: "
+        "a pipeline stage, or the coordinator with the OpenAI and admin HTTP APIs.",
+        epilog=_AGENT_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _config_flags(agent)
+    agent.set_defaults(func=run_agent)
+    check = sub.add_parser(
+        "check",
+        help="validate the config directory without starting anything",
+        description="Load cluster.toml, mlxppd.toml and the secret, find this host's node and "
+        "its layers, and report. Exit 0 when all is well, 2 with one line naming the file, "
+        "line, key and fix otherwise.",
+        epilog="example: mlxppd check --config-dir /etc/mlxpp",
+    )
+    _config_flags(check)
+    check.set_defaults(func=run_check)
+
+
+def default_args() -> argparse.Namespace:
+    """Plain ``mlxppd``: the agent with every setting from the files and the environment."""
+    parser = argparse.ArgumentParser(prog="mlxppd")
+    _config_flags(parser)
+    args = parser.parse_args([])
+    args.command, args.func = "agent", run_agent
+    return args
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "node_id": args.node_id,
+        "model": args.model,
+        "secret_file": args.cluster_secret_file,
+        "http_host": args.http_host,
+        "http_port": args.http_port,
+        "kv_budget_bytes": args.kv_budget_bytes,
+        "log_level": args.log_level,
+    }
+
+
+def run_check(args: argparse.Namespace) -> int:
+    from mlxppd.core.agent_settings import config_dir_from
+    from mlxppd.runtime.agent import load_configuration
+    from mlxppd.runtime.host_addresses import is_local_address
+
+    config_dir = config_dir_from(args.config_dir, os.environ)
+    desired, context = load_configuration(
+        config_dir, _overrides(args), os.environ, is_local_address
+    )
+    if desired.stage is not None:
+        r = desired.stage.layers
+        role = f"pipeline_stage {desired.stage.stage}, layers {r.start}-{r.last}"
+    else:
+        assert desired.coordinator is not None
+        c = desired.coordinator
+        ranges = ", ".join(f"{r.start}-{r.last}" for r in c.layers)
+        role = f"coordinator, http {c.http_host}:{c.http_port}, stage layers {ranges}"
+    print(
+        f"configuration ok: node {desired.node_id} ({role}); config generation "
+        f"{desired.generation}; secret from {context.secret.origin}; model {context.model_dir}"
+    )
+    return 0
+
+
+def run_agent(args: argparse.Namespace) -> int:
+    from prometheus_client import CollectorRegistry
+
+    from mlxppd.core.agent_settings import config_dir_from, load_host_settings
+    from mlxppd.http.agent_http import start_agent_http
+    from mlxppd.runtime.agent import Agent
+    from mlxppd.runtime.host_addresses import is_local_address
+    from mlxppd.runtime.metrics import PipelineMetrics
+    from mlxppd.runtime.sd_notify import SdNotifier
+    from mlxppd.runtime.service_logging import configure_logging
+
+    config_dir = config_dir_from(args.config_dir, os.environ)
+    overrides = _overrides(args)
+    # Logging before anything else can fail; the level is re-applied on every reload.
+    try:
+        level = load_host_settings(config_dir, environ=os.environ, overrides=overrides).log_level
+    except Exception:
+        level = "info"
+    configure_logging(level, environ=os.environ, node_id=args.node_id)
+    notifier = SdNotifier.from_environ(os.environ, os.getpid())
+    agent = Agent(
+        config_dir,
+        overrides,
+        os.environ,
+        is_local=is_local_address,
+        notifier=notifier,
+        http_starter=start_agent_http,
+        metrics=PipelineMetrics(CollectorRegistry()),
+    )
+
+    async def main() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        return await agent.run(stop)
+
+    try:
+        return asyncio.run(main())
+    finally:
+        notifier.close()
+        sys.stderr.flush()

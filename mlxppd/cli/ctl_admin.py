@@ -1,0 +1,411 @@
+"""``mlxppctl status|drain|resume``: the coordinator's admin API, from the command line.
+
+Requests are signed with a key derived from the cluster secret (docs/admin-api.md). The
+coordinator's address and the secret come from flags, else from this host's config directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import tomllib
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from mlxppd.core.agent_settings import (
+    CLUSTER_FILE,
+    HOST_FILE,
+    HostSettings,
+    config_dir_from,
+    load_host_settings,
+)
+from mlxppd.core.cluster_config import load_cluster_config
+from mlxppd.core.cluster_health import UNHEALTHY, overall_health
+from mlxppd.core.errors import ConfigurationError, MlxppError
+from mlxppd.http.admin_api import DRAIN_PATH, RESUME_PATH, STATUS_PATH
+from mlxppd.wire.admin_auth import admin_key, sign_request
+from mlxppd.wire.secret import load_cluster_secret, resolve_secret_source
+
+DEFAULT_TIMEOUT_S = 10.0
+#: a status document of a large cluster is a few KiB; never read an unbounded answer
+MAX_RESPONSE_BYTES = 4 * 1024 * 1024
+MiB = 1024 * 1024
+
+EXIT_OK = 0
+EXIT_UNHEALTHY = 1
+EXIT_UNREACHABLE = 3
+
+_EXAMPLES = """\
+examples:
+  mlxppctl {name}                                  # address and secret from /etc/mlxpp
+  mlxppctl {name} --config-dir ./etc/mlxpp
+  mlxppctl {name} --url http://10.0.0.1:8080 --cluster-secret-file ~/cluster.secret
+"""
+
+_TARGET_HELP = """\
+The coordinator's address is --url, else http_host/http_port from mlxppd.toml in the config
+directory (0.0.0.0 and :: mean this host). The cluster secret is looked up as everywhere else:
+--cluster-secret-file, MLXPP_CLUSTER_SECRET_FILE, MLXPP_CLUSTER_SECRET, then secret_file in
+mlxppd.toml or [cluster] secret_file in cluster.toml. Only a signature derived from the secret
+is sent, never the secret."""
+
+
+class CoordinatorUnreachable(MlxppError):
+    """The coordinator did not answer, or refused the request (exit status 3)."""
+
+    exit_code = EXIT_UNREACHABLE
+
+
+def register(subparsers: Any) -> None:
+    common = argparse.ArgumentParser(add_help=False)
+    target = common.add_argument_group("coordinator and secret")
+    target.add_argument(
+        "--url",
+        metavar="URL",
+        help="the coordinator's base URL, e.g. http://10.0.0.1:8080 (default: from the config "
+        "directory's mlxppd.toml)",
+    )
+    target.add_argument(
+        "--config-dir",
+        metavar="DIR",
+        help="config directory with mlxppd.toml and cluster.toml (default: $MLXPP_CONFIG_DIR, "
+        "else /etc/mlxpp)",
+    )
+    target.add_argument(
+        "--cluster-secret-file", metavar="PATH", help="file holding the cluster secret"
+    )
+    target.add_argument(
+        "--timeout",
+        metavar="SECONDS",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        help=f"give up on the coordinator after this long (default {DEFAULT_TIMEOUT_S:g})",
+    )
+
+    def add(name: str, help: str, description: str, extra: str = "") -> argparse.ArgumentParser:
+        parser: argparse.ArgumentParser = subparsers.add_parser(
+            name,
+            parents=[common],
+            help=help,
+            description=f"{description}\n\n{_TARGET_HELP}",
+            epilog=_EXAMPLES.format(name=name) + extra,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        return parser
+
+    status = add(
+        "status",
+        "show the cluster's health, the coordinator and every stage",
+        "Ask the coordinator for the cluster's status: a health badge (healthy, degraded or\n"
+        "unhealthy) with the reason, the coordinator's admission state and one card per\n"
+        "pipeline stage.",
+        "\nexit status: 0 healthy or degraded, 1 unhealthy, 2 bad configuration or arguments,\n"
+        "3 the coordinator cannot be reached or refused the signature\n",
+    )
+    status.add_argument(
+        "--json", action="store_true", help="print the status document as received (JSON)"
+    )
+    status.set_defaults(func=lambda args: _status(args, os.environ))
+
+    drain = add(
+        "drain",
+        "stop admitting new requests; running ones finish",
+        "Stop the coordinator admitting new requests (they get HTTP 503 with Retry-After)\n"
+        "while the ones in flight finish. Use it before maintenance; `mlxppctl resume`\n"
+        "undoes it.",
+    )
+    drain.set_defaults(func=lambda args: _admission(args, os.environ, DRAIN_PATH))
+
+    resume = add(
+        "resume",
+        "admit new requests again after a drain",
+        "Let the coordinator admit new requests again after `mlxppctl drain`.",
+    )
+    resume.set_defaults(func=lambda args: _admission(args, os.environ, RESUME_PATH))
+
+
+# --- where the coordinator is, and the key ---
+
+
+class _Target:
+    """The coordinator's base URL and the admin key, resolved from flags and the config dir."""
+
+    def __init__(self, args: argparse.Namespace, environ: Mapping[str, str]) -> None:
+        self._config_dir = config_dir_from(args.config_dir, environ)
+        self._host: HostSettings | None = None
+        self._environ = environ
+        self.from_config = args.url is None
+        self.url = _base_url(args.url) if args.url is not None else self._url_from_config()
+        self.secret_origin, self.key = self._key(args.cluster_secret_file)
+
+    def _host_settings(self) -> HostSettings:
+        if self._host is None:
+            self._host = load_host_settings(self._config_dir, environ=self._environ)
+        return self._host
+
+    def _url_from_config(self) -> str:
+        host = self._host_settings()
+        if host.http_port == 0:
+            raise ConfigurationError(
+                "http_port is 0 (a free port picked at start), so the coordinator's address is "
+                "unknown; pass --url",
+                source=str(self._config_dir / HOST_FILE),
+            )
+        address = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host.http_host, host.http_host)
+        if ":" in address:
+            address = f"[{address}]"
+        return f"http://{address}:{host.http_port}"
+
+    def _key(self, flag_path: str | None) -> tuple[str, bytes]:
+        config_secret_file: str | None = None
+        # The config files are read only when neither a flag nor the environment names the
+        # secret, so a broken mlxppd.toml does not stand in the way of explicit flags.
+        if (
+            resolve_secret_source(
+                flag_path=flag_path, environ=self._environ, config_secret_file=None
+            )
+            is None
+        ):
+            config_secret_file = self._host_settings().secret_file
+            cluster_file = self._config_dir / CLUSTER_FILE
+            if config_secret_file is None and cluster_file.exists():
+                config_secret_file = _cluster_secret_file(cluster_file)
+        secret = load_cluster_secret(
+            flag_path=flag_path,
+            environ=self._environ,
+            config_secret_file=config_secret_file,
+            config_dir=self._config_dir,
+        )
+        return secret.origin, admin_key(secret.key_bytes())
+
+    def where_from(self) -> str:
+        if self.from_config:
+            return f"http_host/http_port in {self._config_dir / HOST_FILE} or --url"
+        return "--url"
+
+
+def _cluster_secret_file(path: Path) -> str | None:
+    """``[cluster] secret_file``, read leniently: status matters most when the cluster TOML is
+    broken (the running agents keep the previous one), so only this key has to be readable."""
+    try:
+        return load_cluster_config(path).cluster.secret_file
+    except ConfigurationError:
+        try:
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+            raise ConfigurationError(
+                "cannot find the cluster secret: the cluster TOML does not parse; pass "
+                "--cluster-secret-file",
+                source=str(path),
+            ) from None
+        section = data.get("cluster")
+        value = section.get("secret_file") if isinstance(section, dict) else None
+        return value if isinstance(value, str) and value else None
+
+
+def _base_url(raw: str) -> str:
+    parsed = urllib.parse.urlsplit(raw.strip())
+    if (
+        parsed.scheme not in ("http", "https")
+        or not parsed.hostname
+        or parsed.path not in ("", "/")
+        or parsed.query
+        or parsed.fragment
+        or parsed.username
+    ):
+        raise ConfigurationError(
+            "takes the coordinator's base URL: scheme, host and port only, "
+            "e.g. http://10.0.0.1:8080",
+            source="--url",
+        )
+    try:
+        parsed.port  # noqa: B018 - a bad port raises here
+    except ValueError:
+        raise ConfigurationError(
+            "the port is not a number from 0 to 65535", source="--url"
+        ) from None
+    return f"{parsed.scheme}://{parsed.netloc}"
+
+
+# --- one signed request ---
+
+
+def _call(target: _Target, method: str, path: str, timeout: float) -> dict[str, Any]:
+    body = b""
+    request = urllib.request.Request(
+        target.url + path,
+        data=body if method == "POST" else None,
+        method=method,
+        headers={
+            "Authorization": sign_request(target.key, method, path, body, now=time.time()),
+            "Accept": "application/json",
+        },
+    )
+    # The coordinator sits on the cluster's own network: a desktop proxy setting must not
+    # reroute (or break) admin requests.
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(request, timeout=timeout) as response:
+            raw = response.read(MAX_RESPONSE_BYTES + 1)
+    except urllib.error.HTTPError as exc:
+        raise _refused(target, exc) from None
+    except (urllib.error.URLError, OSError) as exc:
+        reason: Any = getattr(exc, "reason", None) or exc
+        if isinstance(reason, OSError) and reason.strerror:
+            reason = reason.strerror  # "Connection refused", without the errno
+        raise CoordinatorUnreachable(
+            f"cannot reach the coordinator at {target.url}: {reason}; check "
+            f"{target.where_from()} and that mlxppd is running there"
+        ) from None
+    if len(raw) > MAX_RESPONSE_BYTES:
+        raise CoordinatorUnreachable(
+            f"the answer from {target.url} is larger than {MAX_RESPONSE_BYTES} bytes; check "
+            f"that {target.where_from()} names the coordinator"
+        )
+    try:
+        document = json.loads(raw)
+    except ValueError:
+        document = None
+    if not isinstance(document, dict):
+        raise CoordinatorUnreachable(
+            f"the answer from {target.url} is not a JSON object; check that "
+            f"{target.where_from()} names the coordinator"
+        )
+    return document
+
+
+def _refused(target: _Target, exc: urllib.error.HTTPError) -> CoordinatorUnreachable:
+    code: Any = None
+    try:
+        error = json.loads(exc.read(64 * 1024)).get("error", {})
+        code = error.get("code") if isinstance(error, dict) else None
+    except (ValueError, AttributeError, OSError):
+        pass
+    if exc.code == 401 and code == "stale":
+        return CoordinatorUnreachable(
+            f"the coordinator at {target.url} refused the signature as stale; check that this "
+            "host's clock and the coordinator's agree (NTP)"
+        )
+    if exc.code == 401:
+        return CoordinatorUnreachable(
+            f"the coordinator at {target.url} refused the signature ({code or 'unauthorized'}); "
+            f"check that the cluster secret from {target.secret_origin} is the cluster's"
+        )
+    if exc.code == 404:
+        return CoordinatorUnreachable(
+            f"{target.url} has no admin API (HTTP 404); check that {target.where_from()} "
+            "names the coordinator"
+        )
+    return CoordinatorUnreachable(
+        f"the coordinator at {target.url} answered HTTP {exc.code} {exc.reason}; check its log"
+    )
+
+
+# --- the subcommands ---
+
+
+def _status(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
+    target = _Target(args, environ)
+    document = _call(target, "GET", STATUS_PATH, args.timeout)
+    badge = document.get("health")
+    detail = document.get("detail")
+    if not isinstance(badge, str) or not isinstance(detail, str):
+        badge, detail = overall_health(document)
+    if args.json:
+        print(json.dumps(document, indent=2))
+    else:
+        print(render_status(document, badge, detail, dash=_dash()))
+    return EXIT_UNHEALTHY if badge == UNHEALTHY else EXIT_OK
+
+
+def _admission(args: argparse.Namespace, environ: Mapping[str, str], path: str) -> int:
+    target = _Target(args, environ)
+    reply = _call(target, "POST", path, args.timeout)
+    line = f"admission {reply.get('admission', 'unknown')}"
+    in_flight = reply.get("in_flight")
+    if isinstance(in_flight, int):
+        line += f": {in_flight} request{'' if in_flight == 1 else 's'} in flight"
+    print(line)
+    return EXIT_OK
+
+
+# --- text rendering ---
+
+
+def _dash() -> str:
+    # An em dash where the terminal can show one.
+    try:
+        "\u2014".encode(sys.stdout.encoding or "ascii")
+    except (UnicodeEncodeError, LookupError):
+        return "-"
+    return "\u2014"
+
+
+def _text(value: Any, none: str = "unknown") -> str:
+    return none if value is None or value == "" else str(value)
+
+
+def _yes_no(value: Any, yes: str, no: str) -> str:
+    return "unknown" if value is None else (yes if value else no)
+
+
+def _kv(used: Any, budget: Any) -> str:
+    if not isinstance(used, int):
+        return "unknown"
+    if not isinstance(budget, int) or budget <= 0:
+        return f"{used / MiB:.1f} MiB used, no budget"
+    return f"{used / MiB:.1f} / {budget / MiB:.1f} MiB ({used / budget:.0%})"
+
+
+def render_status(document: Mapping[str, Any], badge: str, detail: str, *, dash: str) -> str:
+    """The human-readable status: a badge line, the coordinator line, one card per stage."""
+    raw = document.get("coordinator")
+    coordinator: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
+    lines = [
+        f"cluster {_text(document.get('cluster'))}: {badge.upper()} {dash} {detail}",
+        "coordinator {node} (http {address}): admission {admission}, {flight} in flight, "
+        "{waiting} waiting, config generation {gen}, last reload {reload}".format(
+            node=_text(coordinator.get("node_id")),
+            address=_text(coordinator.get("http_address")),
+            admission=_text(coordinator.get("admission")),
+            flight=_text(coordinator.get("in_flight")),
+            waiting=_text(coordinator.get("waiting")),
+            gen=_text(coordinator.get("config_generation")),
+            reload=(
+                f"failed: {coordinator['last_reload_error']}"
+                if coordinator.get("last_reload_error")
+                else "ok"
+            ),
+        ),
+    ]
+    stages = document.get("stages")
+    for stage in stages if isinstance(stages, list) else []:
+        if not isinstance(stage, Mapping):
+            continue
+        rows = (
+            ("layers", _text(stage.get("layers"))),
+            ("process", _yes_no(stage.get("process_alive"), "alive", "NOT RUNNING")),
+            (
+                "transport",
+                _yes_no(stage.get("transport_connected"), "connected", "NOT CONNECTED"),
+            ),
+            ("in flight", _text(stage.get("in_flight"))),
+            ("KV cache", _kv(stage.get("kv_used_bytes"), stage.get("kv_budget_bytes"))),
+            ("elastic state", _text(stage.get("elastic_state"))),
+            ("config generation", _text(stage.get("config_generation"))),
+            ("last reload error", _text(stage.get("last_reload_error"), none="none")),
+        )
+        lines.append("")
+        lines.append(
+            f"stage {_text(stage.get('stage'))}  {_text(stage.get('node_id'))}  "
+            f"{_text(stage.get('address'))}"
+        )
+        lines.extend(f"  {name:<18} {value}" for name, value in rows)
+    return "\n".join(lines)

@@ -1,0 +1,178 @@
+"""The coordinator's admin API: cluster status, drain and resume, behind signed requests.
+
+Every route checks an ``MLXPP-HMAC`` signature made with a key derived from the cluster secret
+(``mlxppd.wire.admin_auth``); the OpenAI API key plays no part here, and an admin signature
+opens nothing under /v1. The runtime supplies an ``AdminController``; docs/admin-api.md is the
+reference for the routes and the status document.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from aiohttp import web
+
+from mlxppd.core.cluster_health import overall_health
+from mlxppd.http.errors import ApiError, error_response
+from mlxppd.wire.admin_auth import AdminAuthError, AdminVerifier
+
+__all__ = [
+    "ADMIN_PREFIX",
+    "DRAIN_PATH",
+    "MAX_ADMIN_BODY_BYTES",
+    "RESUME_PATH",
+    "STATUS_PATH",
+    "AdminApi",
+    "AdminController",
+    "add_admin_routes",
+]
+
+log = logging.getLogger("mlxppd.http.admin")
+
+ADMIN_PREFIX = "/admin/"
+STATUS_PATH = "/admin/v1/status"
+DRAIN_PATH = "/admin/v1/drain"
+RESUME_PATH = "/admin/v1/resume"
+#: admin requests carry no real payload; refuse anything bigger before hashing it
+MAX_ADMIN_BODY_BYTES = 64 * 1024
+
+_MESSAGES = {
+    "missing": "this admin route needs an 'Authorization: MLXPP-HMAC ...' signature (use mlxppctl)",
+    "malformed": "the admin signature header is malformed",
+    "stale": "the admin signature's timestamp is outside the accepted window; "
+    "check that the clocks of client and coordinator agree",
+    "bad_mac": "the admin signature does not verify; check that the client uses this "
+    "cluster's secret",
+    "replayed": "this admin request was already seen; sign every request afresh",
+}
+
+
+class AdminController(Protocol):
+    """What the admin routes drive; the coordinator's runtime implements it."""
+
+    async def status(self) -> dict[str, Any]:
+        """The status document (docs/admin-api.md), without "health" and "detail"."""
+        ...
+
+    async def drain(self) -> dict[str, Any]:
+        """Stop admitting requests; e.g. ``{"admission": "draining", "in_flight": 3}``."""
+        ...
+
+    async def resume(self) -> dict[str, Any]:
+        """Admit requests again; e.g. ``{"admission": "open"}``."""
+        ...
+
+
+@dataclass(frozen=True)
+class AdminApi:
+    """The admin routes' parts, as ``create_app(..., admin=AdminApi(...))`` takes them.
+
+    ``on_auth_failure(reason)`` is called once per refused request (count it in a metric).
+    """
+
+    controller: AdminController
+    verifier: AdminVerifier
+    on_auth_failure: Callable[[str], None] | None = None
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def add_admin_routes(
+    app: web.Application,
+    controller: AdminController,
+    verifier: AdminVerifier,
+    *,
+    on_auth_failure: Callable[[str], None] | None = None,
+) -> None:
+    """Add GET /admin/v1/status, POST /admin/v1/drain and POST /admin/v1/resume to ``app``."""
+
+    async def status(request: web.Request) -> web.Response:
+        document = dict(await controller.status())
+        badge, detail = overall_health(document)
+        document["health"] = badge
+        document["detail"] = detail
+        return _json(document)
+
+    async def drain(request: web.Request) -> web.Response:
+        return _json(await controller.drain())
+
+    async def resume(request: web.Request) -> web.Response:
+        return _json(await controller.resume())
+
+    def guarded(route: str, action: Callable[[web.Request], Awaitable[web.Response]]) -> Handler:
+        async def handler(request: web.Request) -> web.StreamResponse:
+            body = await _read_bounded(request)
+            if body is None:
+                return error_response(
+                    ApiError(
+                        413,
+                        f"an admin request body is at most {MAX_ADMIN_BODY_BYTES} bytes",
+                        code="request_too_large",
+                    )
+                )
+            try:
+                # raw_path is the path (and query) exactly as the client sent and signed it.
+                verifier.verify(
+                    request.headers.get("Authorization"), request.method, request.raw_path, body
+                )
+            except AdminAuthError as exc:
+                # The route, not the raw path, and never the header: neither can smuggle text in.
+                log.warning(
+                    "admin request refused: %s %s from %s: %s",
+                    request.method,
+                    route,
+                    request.remote or "unknown peer",
+                    exc.reason,
+                )
+                if on_auth_failure is not None:
+                    on_auth_failure(exc.reason)
+                return error_response(
+                    ApiError(
+                        401,
+                        _MESSAGES[exc.reason],
+                        type="authentication_error",
+                        code=exc.reason,
+                        headers={"WWW-Authenticate": "MLXPP-HMAC"},
+                    )
+                )
+            try:
+                return await action(request)
+            except Exception:
+                log.exception("admin request %s %s failed", request.method, route)
+                return error_response(
+                    ApiError(
+                        500,
+                        "the admin request failed; the coordinator's log has the details",
+                        type="server_error",
+                        code="internal_error",
+                    )
+                )
+
+        return handler
+
+    app.router.add_get(STATUS_PATH, guarded(STATUS_PATH, status), allow_head=False)
+    app.router.add_post(DRAIN_PATH, guarded(DRAIN_PATH, drain))
+    app.router.add_post(RESUME_PATH, guarded(RESUME_PATH, resume))
+
+
+def _json(document: dict[str, Any]) -> web.Response:
+    # Cluster state is live: a cache in between must never answer for the coordinator.
+    return web.json_response(document, headers={"Cache-Control": "no-store"})
+
+
+async def _read_bounded(request: web.Request) -> bytes | None:
+    """The request body, or None when it is larger than MAX_ADMIN_BODY_BYTES."""
+    if request.content_length is not None and request.content_length > MAX_ADMIN_BODY_BYTES:
+        return None
+    chunks: list[bytes] = []
+    size = 0
+    while chunk := await request.content.readany():
+        size += len(chunk)
+        if size > MAX_ADMIN_BODY_BYTES:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)

@@ -1,0 +1,66 @@
+"""The coordinator agent's HTTP listener: the OpenAI API, /metrics and the admin API on one port.
+
+The agent (runtime) cannot import this layer, so the CLI hands ``start_agent_http`` to it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from mlxppd.core.agent_plan import CoordinatorTarget
+from mlxppd.http.admin_api import AdminApi
+from mlxppd.http.openai_api import create_app
+from mlxppd.runtime.agent import Agent
+from mlxppd.runtime.agent_backend import AgentBackend
+from mlxppd.runtime.agent_status import AgentAdmin
+from mlxppd.wire.admin_auth import AdminVerifier, admin_key
+
+log = logging.getLogger("mlxppd.http")
+
+
+@dataclass
+class AgentHttp:
+    runner: web.AppRunner
+    url: str
+
+    async def close(self) -> None:
+        await self.runner.cleanup()
+
+
+async def start_agent_http(
+    backend: AgentBackend, target: CoordinatorTarget, agent: Agent
+) -> AgentHttp:
+    context = agent.context
+    assert context is not None
+    metrics = agent.metrics
+
+    def count_auth_failure(reason: str) -> None:
+        if metrics is not None:
+            metrics.admin_auth_failures.labels(reason=reason).inc()
+
+    admin = AdminApi(
+        AgentAdmin(agent),
+        # The key is derived afresh from the secret in force; the raw secret stays here.
+        AdminVerifier(admin_key(context.secret.key_bytes()), clock=time.time),
+        count_auth_failure,
+    )
+    app = create_app(
+        backend,
+        api_key=target.api_key,
+        metrics=metrics if context.host.metrics else None,
+        admin=admin,
+    )
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, target.http_host, target.http_port)
+    await site.start()
+    server: Any = site._server
+    port = server.sockets[0].getsockname()[1] if server and server.sockets else target.http_port
+    url = f"http://{target.http_host}:{port}"
+    log.info("coordinator: OpenAI API on %s/v1, admin API on %s/admin/v1", url, url)
+    return AgentHttp(runner, url)

@@ -1,0 +1,326 @@
+"""The admin API on the real OpenAI app: signed status/drain/resume over real HTTP on loopback.
+
+The coordinator's runtime is stood in for by ``ScriptedCluster``, a small object implementing
+the AdminController protocol, and by ``IdleBackend`` for the generation side the admin routes
+never touch. ``AdminServer`` is shared with test_ctl_admin.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from typing import Any, TypeVar
+
+import pytest
+from aiohttp import web
+
+from mlxppd.http.admin_api import AdminApi
+from mlxppd.http.openai_api import create_app
+from mlxppd.runtime.backend import BackendUnavailable, Health, SamplingParams, TokenEvent
+from mlxppd.wire.admin_auth import AdminVerifier, admin_key, sign_request
+from tests.http_support import request
+
+T = TypeVar("T")
+SECRET = b"test cluster secret, 32 bytes.."
+API_KEY = "sk-openai-test"
+MiB = 1024 * 1024
+
+
+class IdleBackend:
+    """A generation backend with no model: the admin routes never generate."""
+
+    model_id = "idle-model"
+    tokenizer = None
+
+    def health(self) -> Health:
+        return Health(True, "idle")
+
+    async def generate(
+        self, request_id: str, prompt: list[int], params: SamplingParams
+    ) -> AsyncIterator[TokenEvent]:
+        raise BackendUnavailable("no model here")
+        yield TokenEvent(0)  # pragma: no cover - makes this an async generator
+
+
+class ScriptedCluster:
+    """An AdminController whose cluster state the test sets directly."""
+
+    def __init__(self, stages: int = 2) -> None:
+        self.admission = "open"
+        self.in_flight = 3
+        self.fail_with: Exception | None = None
+        self.stages: list[dict[str, Any]] = [
+            {
+                "stage": i,
+                "node_id": f"stage-{i}",
+                "address": f"127.0.0.1:{19001 + i}",
+                "layers": f"{i * 15}-{i * 15 + 14}",
+                "process_alive": True,
+                "transport_connected": True,
+                "in_flight": 1,
+                "kv_used_bytes": 64 * MiB,
+                "kv_budget_bytes": 512 * MiB,
+                "elastic_state": "idle",
+                "config_generation": "gen-7",
+                "last_reload_error": None,
+            }
+            for i in range(stages)
+        ]
+
+    async def status(self) -> dict[str, Any]:
+        if self.fail_with is not None:
+            raise self.fail_with
+        return {
+            "cluster": "mlxpp-cluster",
+            "coordinator": {
+                "node_id": "coordinator",
+                "http_address": "127.0.0.1:8080",
+                "ready": True,
+                "detail": "ready",
+                "admission": self.admission,
+                "in_flight": self.in_flight,
+                "waiting": 0,
+                "config_generation": "gen-7",
+                "last_reload_error": None,
+                "elastic_state": "idle",
+                "reload_failures": 0,
+            },
+            "stages": [dict(s) for s in self.stages],
+        }
+
+    async def drain(self) -> dict[str, Any]:
+        self.admission = "draining"
+        return {"admission": "draining", "in_flight": self.in_flight}
+
+    async def resume(self) -> dict[str, Any]:
+        self.admission = "open"
+        return {"admission": "open"}
+
+
+class AdminServer:
+    """``create_app`` with the admin API (and an OpenAI api key) on 127.0.0.1, own thread."""
+
+    def __init__(
+        self,
+        controller: ScriptedCluster,
+        secret: bytes = SECRET,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.controller = controller
+        self.failures: list[str] = []
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="admin-test-loop")
+        self._thread.start()
+        self._runner: web.AppRunner | None = None
+        admin = AdminApi(
+            controller, AdminVerifier(admin_key(secret), clock=clock), self.failures.append
+        )
+        try:
+            self.url = self._call(self._start(admin))
+        except BaseException:
+            self.stop()
+            raise
+        self.port = int(self.url.rsplit(":", 1)[1])
+
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(30)
+
+    async def _start(self, admin: AdminApi) -> str:
+        app = create_app(IdleBackend(), api_key=API_KEY, admin=admin)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
+        return f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+
+    def stop(self) -> None:
+        async def cleanup() -> None:
+            if self._runner is not None:
+                await self._runner.cleanup()
+            current = asyncio.current_task()
+            left = [t for t in asyncio.all_tasks() if t is not current and not t.done()]
+            for task in left:
+                task.cancel()
+            await asyncio.gather(*left, return_exceptions=True)
+            if left:
+                raise AssertionError(f"tasks left behind: {left}")
+
+        try:
+            if self._loop.is_running():
+                self._call(cleanup())
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+            self._loop.close()
+
+    def __enter__(self) -> AdminServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@pytest.fixture()
+def server() -> Iterator[AdminServer]:
+    with AdminServer(ScriptedCluster()) as live:
+        yield live
+
+
+def signed(
+    url: str,
+    method: str,
+    path: str,
+    *,
+    key: bytes = admin_key(SECRET),
+    body: bytes = b"",
+    header: str | None = None,
+) -> tuple[int, dict[str, str], Any]:
+    auth = header or sign_request(key, method, path, body, now=time.time())
+    return request(url, method, path, raw=body, headers={"Authorization": auth}, timeout=30)
+
+
+def assert_refused(response: tuple[int, dict[str, str], Any], reason: str) -> None:
+    status, headers, body = response
+    assert status == 401, body
+    assert body["error"]["type"] == "authentication_error"
+    assert body["error"]["code"] == reason
+    assert headers["WWW-Authenticate"] == "MLXPP-HMAC"
+
+
+# --- signed requests work ---
+
+
+def test_signed_status_is_the_controllers_document_plus_health(server: AdminServer) -> None:
+    status, headers, body = signed(server.url, "GET", "/admin/v1/status")
+    assert status == 200, body
+    assert body["health"] == "healthy"
+    assert body["detail"] == "all 2 stages connected"
+    assert body["cluster"] == "mlxpp-cluster"
+    assert body["coordinator"]["admission"] == "open"
+    assert [s["node_id"] for s in body["stages"]] == ["stage-0", "stage-1"]
+    assert headers["Cache-Control"] == "no-store"
+    assert "X-Request-Id" in headers
+    assert server.failures == []
+
+
+def test_drain_then_resume_change_admission_and_the_health(server: AdminServer) -> None:
+    status, _, body = signed(server.url, "POST", "/admin/v1/drain")
+    assert (status, body) == (200, {"admission": "draining", "in_flight": 3})
+    assert server.controller.admission == "draining"
+    _, _, doc = signed(server.url, "GET", "/admin/v1/status")
+    assert (doc["health"], doc["detail"]) == ("degraded", "admission is draining")
+
+    status, _, body = signed(server.url, "POST", "/admin/v1/resume")
+    assert (status, body) == (200, {"admission": "open"})
+    assert server.controller.admission == "open"
+
+
+def test_a_lost_stage_makes_status_unhealthy(server: AdminServer) -> None:
+    server.controller.stages[1].update(transport_connected=False)
+    _, _, doc = signed(server.url, "GET", "/admin/v1/status")
+    assert (doc["health"], doc["detail"]) == ("unhealthy", "stage 1 (stage-1) is not connected")
+
+
+# --- refusals: 401, counted, logged without secrets ---
+
+
+def test_an_unsigned_request_is_refused_and_counted(server: AdminServer) -> None:
+    assert_refused(request(server.url, "POST", "/admin/v1/drain", timeout=30), "missing")
+    assert server.controller.admission == "open"
+    assert server.failures == ["missing"]
+
+
+def test_a_wrong_key_is_refused_counted_and_logged_without_the_header(
+    server: AdminServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    wrong = admin_key(b"some other cluster's secret!!!!!")
+    header = sign_request(wrong, "POST", "/admin/v1/drain", b"", now=time.time())
+    with caplog.at_level(logging.WARNING, logger="mlxppd.http.admin"):
+        assert_refused(signed(server.url, "POST", "/admin/v1/drain", header=header), "bad_mac")
+    assert server.controller.admission == "open"
+    assert server.failures == ["bad_mac"]
+    [record] = [r for r in caplog.records if r.name == "mlxppd.http.admin"]
+    line = record.getMessage()
+    assert "127.0.0.1" in line and "bad_mac" in line and "/admin/v1/drain" in line
+    assert header.split("mac=")[1] not in line and "nonce" not in line
+
+
+def test_a_replayed_request_is_refused_and_counted(server: AdminServer) -> None:
+    header = sign_request(admin_key(SECRET), "POST", "/admin/v1/drain", b"", now=time.time())
+    assert signed(server.url, "POST", "/admin/v1/drain", header=header)[0] == 200
+    server.controller.admission = "open"
+    assert_refused(signed(server.url, "POST", "/admin/v1/drain", header=header), "replayed")
+    assert server.controller.admission == "open"
+    assert server.failures == ["replayed"]
+
+
+def test_a_signature_for_another_route_is_refused(server: AdminServer) -> None:
+    header = sign_request(admin_key(SECRET), "POST", "/admin/v1/resume", b"", now=time.time())
+    assert_refused(signed(server.url, "POST", "/admin/v1/drain", header=header), "bad_mac")
+
+
+def test_a_stale_signature_is_refused() -> None:
+    with AdminServer(ScriptedCluster(), clock=lambda: time.time() + 3600) as live:
+        assert_refused(signed(live.url, "GET", "/admin/v1/status"), "stale")
+        assert live.failures == ["stale"]
+
+
+def test_an_oversize_body_is_413_before_it_is_checked(server: AdminServer) -> None:
+    body = b"x" * (64 * 1024 + 1)
+    status, _, error = signed(server.url, "POST", "/admin/v1/drain", body=body)
+    assert status == 413, error
+    assert error["error"]["code"] == "request_too_large"
+    assert server.controller.admission == "open"
+
+
+def test_a_signed_body_within_the_bound_is_accepted(server: AdminServer) -> None:
+    status, _, _ = signed(server.url, "POST", "/admin/v1/drain", body=b"{}" * 1000)
+    assert status == 200
+
+
+def test_a_failing_controller_is_a_500_without_internals(server: AdminServer) -> None:
+    server.controller.fail_with = RuntimeError("stage table corrupted at 0xdeadbeef")
+    status, _, body = signed(server.url, "GET", "/admin/v1/status")
+    assert status == 500
+    assert body["error"]["code"] == "internal_error"
+    assert "deadbeef" not in body["error"]["message"]
+
+
+def test_the_wrong_method_is_405(server: AdminServer) -> None:
+    status, _, _ = signed(server.url, "GET", "/admin/v1/drain")
+    assert status == 405
+
+
+# --- the OpenAI api key and the admin signature do not mix ---
+
+
+def test_admin_routes_do_not_need_the_openai_api_key(server: AdminServer) -> None:
+    # The fixture's app has an api key; signed admin requests above never sent it.
+    status, _, _ = signed(server.url, "GET", "/admin/v1/status")
+    assert status == 200
+
+
+def test_the_openai_api_key_does_not_open_admin_routes(server: AdminServer) -> None:
+    response = request(
+        server.url,
+        "POST",
+        "/admin/v1/drain",
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=30,
+    )
+    assert_refused(response, "malformed")
+    assert server.controller.admission == "open"
+
+
+def test_an_admin_signature_does_not_open_openai_routes(server: AdminServer) -> None:
+    status, _, body = signed(server.url, "GET", "/v1/models")
+    assert status == 401
+    assert body["error"]["code"] == "invalid_api_key"
+    status, _, body = request(
+        server.url, "GET", "/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}
+    )
+    assert status == 200
+    assert body["data"][0]["id"] == "idle-model"
