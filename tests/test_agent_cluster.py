@@ -244,6 +244,32 @@ def test_broken_cluster_toml_keeps_serving_and_shows_the_error(
     cluster.wait_status(lambda d: d["health"] == "healthy", timeout=60)
 
 
+def test_drain_and_resume_stop_and_restart_admission(
+    cluster: Cluster, reference: dict[str, str]
+) -> None:
+    def ctl(command: str) -> str:
+        done = cluster.hosts.run(
+            0,
+            str(VENV_BIN / "mlxppctl"), command,
+            "--config-dir", str(cluster.agents[0].config_dir),
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    assert "draining" in ctl("drain")
+    refused = cluster.chat(QUESTION)
+    assert refused["status"] == 503, refused
+    assert refused["body"]["error"]["code"] == "admission_closed"
+    assert refused["retry_after"] == "2"
+    document = cluster.status()
+    assert document["coordinator"]["admission"] == "draining"
+    assert document["health"] == "degraded"
+    assert "open" in ctl("resume")
+    answer = cluster.chat(QUESTION)
+    assert answer["status"] == 200, answer
+    assert answer["body"]["choices"][0]["message"]["content"] == reference[QUESTION]
+
+
 def test_sigterm_during_a_stream_finishes_it_then_exits_zero(
     cluster: Cluster, reference: dict[str, str]
 ) -> None:
