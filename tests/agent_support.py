@@ -217,3 +217,25 @@ with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=300) 
 print(json.dumps({"status": r.status_code, "text": "".join(chunks), "done": done,
                   "signalled": signalled}))
 """
+
+
+def start_local_agent(config_dir: Path, env: dict[str, str], *flags: str) -> AgentProcess:
+    """An agent on this host's own network (loopback clusters)."""
+    # Beside the config directory, not in it: the agent watches that directory.
+    notify = NotifySocket(config_dir.parent / f"{config_dir.name}.notify")
+    log_path = config_dir.parent / f"{config_dir.name}.log"
+    argv = [str(VENV_BIN / "mlxppd"), "agent", "--config-dir", str(config_dir), *flags]
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            argv,
+            env={**env, "NOTIFY_SOCKET": str(notify.path)},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    return AgentProcess(-1, config_dir, process, notify, log_path)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -45,6 +45,45 @@ def _config_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def elastic_flags(p: argparse.ArgumentParser) -> None:
+    """The spec's elastic flags; they override [cluster.elastic] of the cluster TOML."""
+    g = p.add_argument_group("elastic repartitioning (coordinator; overrides [cluster.elastic])")
+    g.add_argument(
+        "--enable-elastic-pp",
+        action="store_true",
+        default=None,
+        help="allow `mlxppctl repartition` and memory-pressure repartitions",
+    )
+    g.add_argument(
+        "--elastic-pp-drain-timeout",
+        type=float,
+        metavar="S",
+        help="seconds in-flight requests may take before a repartition fails (default 120)",
+    )
+    g.add_argument(
+        "--elastic-pp-pressure-fraction",
+        type=float,
+        metavar="F",
+        help="a stage's KV fill (0 < F <= 1) that triggers a repartition (default 0.92)",
+    )
+    g.add_argument(
+        "--elastic-pp-cool-down",
+        type=float,
+        metavar="S",
+        help="seconds after a repartition before memory pressure may trigger another "
+        "(default 30)",
+    )
+
+
+def elastic_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "enabled": args.enable_elastic_pp,
+        "drain_timeout_s": args.elastic_pp_drain_timeout,
+        "pressure_fraction": args.elastic_pp_pressure_fraction,
+        "cool_down_s": args.elastic_pp_cool_down,
+    }
+
+
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     agent = sub.add_parser(
         "agent",
@@ -55,6 +94,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _config_flags(agent)
+    elastic_flags(agent)
     agent.set_defaults(func=run_agent)
     check = sub.add_parser(
         "check",
@@ -72,6 +112,7 @@ def default_args() -> argparse.Namespace:
     """Plain ``mlxppd``: the agent with every setting from the files and the environment."""
     parser = argparse.ArgumentParser(prog="mlxppd")
     _config_flags(parser)
+    elastic_flags(parser)
     args = parser.parse_args([])
     args.command, args.func = "agent", run_agent
     return args
@@ -141,6 +182,7 @@ def run_agent(args: argparse.Namespace) -> int:
         notifier=notifier,
         http_starter=start_agent_http,
         metrics=PipelineMetrics(CollectorRegistry()),
+        elastic=elastic_overrides(args),
     )
 
     async def main() -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 
@@ -25,6 +26,11 @@ def run_guarded(prog: str, body: Callable[[], int]) -> int:
         first = exc.errors()[0]
         print(f"{prog}: error: {_flag(first['loc'])}: {first['msg']}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader went away (`mlxppctl status | head`): nothing left to say to it.
+        # Point stdout at /dev/null so the flush at exit does not fail a second time.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130

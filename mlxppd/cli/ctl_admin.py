@@ -29,7 +29,14 @@ from mlxppd.core.agent_settings import (
 from mlxppd.core.cluster_config import load_cluster_config
 from mlxppd.core.cluster_health import UNHEALTHY, overall_health
 from mlxppd.core.errors import ConfigurationError, MlxppError
-from mlxppd.http.admin_api import DRAIN_PATH, RESUME_PATH, STATUS_PATH
+from mlxppd.core.partition_sizes import parse_byte_size
+from mlxppd.http.admin_api import (
+    DRAIN_PATH,
+    EVENTS_PATH,
+    REPARTITION_PATH,
+    RESUME_PATH,
+    STATUS_PATH,
+)
 from mlxppd.wire.admin_auth import admin_key, sign_request
 from mlxppd.wire.secret import load_cluster_secret, resolve_secret_source
 
@@ -129,6 +136,38 @@ def register(subparsers: Any) -> None:
         "Let the coordinator admit new requests again after `mlxppctl drain`.",
     )
     resume.set_defaults(func=lambda args: _admission(args, os.environ, RESUME_PATH))
+
+    repartition = add(
+        "repartition",
+        "move layers between stages on the live cluster (elastic)",
+        "Send an explicit elastic repartition trigger: the coordinator drains (new requests\n"
+        "get 503 with Retry-After, running ones finish), plans new layer ranges with the\n"
+        "partitioner over each stage's memory budget (or takes --pp-layers), has every stage\n"
+        "load only the layers it gains, and resumes. Any failure keeps the old ranges.\n"
+        "Needs [cluster.elastic] enabled = true (or --enable-elastic-pp on the coordinator).",
+        "\nexit status: 0 accepted (with --wait: completed), 1 refused or failed,\n"
+        "2 bad arguments, 3 the coordinator cannot be reached\n",
+    )
+    repartition.add_argument(
+        "--stage-memory",
+        metavar="SIZES",
+        help="memory budget per stage, e.g. 8GiB,4GiB (- for unlimited); default: what each "
+        "stage's node reports",
+    )
+    repartition.add_argument(
+        "--pp-layers", metavar="RANGES", help='the new inclusive ranges, e.g. "0-9,10-29"'
+    )
+    repartition.add_argument(
+        "--wait", action="store_true", help="print each transition until the repartition ends"
+    )
+    repartition.add_argument(
+        "--wait-timeout",
+        metavar="SECONDS",
+        type=float,
+        default=900.0,
+        help="give up waiting after this long (default 900)",
+    )
+    repartition.set_defaults(func=lambda args: _repartition(args, os.environ))
 
 
 # --- where the coordinator is, and the key ---
@@ -237,16 +276,26 @@ def _base_url(raw: str) -> str:
 # --- one signed request ---
 
 
-def _call(target: _Target, method: str, path: str, timeout: float) -> dict[str, Any]:
-    body = b""
+def _call(
+    target: _Target,
+    method: str,
+    path: str,
+    timeout: float,
+    body: bytes = b"",
+    accept: tuple[int, ...] = (),
+) -> dict[str, Any]:
+    """One signed request; HTTP errors in ``accept`` return their JSON body like a success."""
+    headers = {
+        "Authorization": sign_request(target.key, method, path, body, now=time.time()),
+        "Accept": "application/json",
+    }
+    if body:
+        headers["Content-Type"] = "application/json"
     request = urllib.request.Request(
         target.url + path,
         data=body if method == "POST" else None,
         method=method,
-        headers={
-            "Authorization": sign_request(target.key, method, path, body, now=time.time()),
-            "Accept": "application/json",
-        },
+        headers=headers,
     )
     # The coordinator sits on the cluster's own network: a desktop proxy setting must not
     # reroute (or break) admin requests.
@@ -255,7 +304,9 @@ def _call(target: _Target, method: str, path: str, timeout: float) -> dict[str, 
         with opener.open(request, timeout=timeout) as response:
             raw = response.read(MAX_RESPONSE_BYTES + 1)
     except urllib.error.HTTPError as exc:
-        raise _refused(target, exc) from None
+        if exc.code not in accept:
+            raise _refused(target, exc) from None
+        raw = exc.read(MAX_RESPONSE_BYTES + 1)
     except (urllib.error.URLError, OSError) as exc:
         reason: Any = getattr(exc, "reason", None) or exc
         if isinstance(reason, OSError) and reason.strerror:
@@ -336,6 +387,67 @@ def _admission(args: argparse.Namespace, environ: Mapping[str, str], path: str) 
     return EXIT_OK
 
 
+def _stage_memory(text: str) -> list[int | None]:
+    sizes: list[int | None] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            raise ConfigurationError(
+                f"{text!r} has an empty entry; give one size per stage, like 8GiB,4GiB",
+                source="--stage-memory",
+            )
+        sizes.append(None if part == "-" else parse_byte_size(part, source="--stage-memory"))
+    return sizes
+
+
+def _repartition(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
+    request: dict[str, Any] = {}
+    if args.stage_memory:
+        request["stage_memory"] = _stage_memory(args.stage_memory)
+    if args.pp_layers:
+        request["pp_layers"] = args.pp_layers
+    target = _Target(args, environ)
+    body = json.dumps(request).encode()
+    reply = _call(target, "POST", REPARTITION_PATH, args.timeout, body=body, accept=(409,))
+    if not reply.get("accepted"):
+        print(
+            f"mlxppctl: repartition refused ({reply.get('reason')}): {reply.get('message')}",
+            file=sys.stderr,
+        )
+        return EXIT_UNHEALTHY
+    seq = int(reply.get("seq", -1))
+    print(f"repartition accepted: {reply.get('state', 'draining')}")
+    if not args.wait:
+        return EXIT_OK
+    deadline = time.monotonic() + args.wait_timeout
+    after = seq - 1
+    while time.monotonic() < deadline:
+        page = _call(target, "GET", f"{EVENTS_PATH}?after={after}", args.timeout)
+        for event in page.get("events", []):
+            after = max(after, int(event.get("seq", after)))
+            print(_event_line(event), flush=True)
+            if event.get("to") in ("idle", "failed"):
+                return EXIT_OK if event.get("outcome") == "completed" else EXIT_UNHEALTHY
+        time.sleep(0.5)
+    print(f"mlxppctl: still {page.get('state')} after {args.wait_timeout:g} s", file=sys.stderr)
+    return EXIT_UNHEALTHY
+
+
+def _event_line(event: Mapping[str, Any]) -> str:
+    line = (
+        f"{event.get('from')} -> {event.get('to')} ({event.get('outcome')}) "
+        f"after {float(event.get('phase_s') or 0):.2f} s"
+    )
+    if event.get("to") == "resuming":
+        line += f"; new layers {event.get('ranges_after')}"
+    if event.get("to") in ("idle", "failed"):
+        line += f"; total {float(event.get('total_s') or 0):.2f} s"
+        line += f"; layers in force {event.get('ranges_after') or event.get('ranges_before')}"
+    if event.get("detail"):
+        line += f": {event.get('detail')}"
+    return line
+
+
 # --- text rendering ---
 
 
@@ -385,6 +497,16 @@ def render_status(document: Mapping[str, Any], badge: str, detail: str, *, dash:
             ),
         ),
     ]
+    if "elastic_enabled" in coordinator:
+        elastic = "elastic repartitioning: " + (
+            f"{_text(coordinator.get('elastic_state'))}"
+            if coordinator.get("elastic_enabled")
+            else "off"
+        )
+        event = coordinator.get("last_repartition_event")
+        if isinstance(event, Mapping):
+            elastic += f"; last event: {_event_line(event)} ({event.get('trigger')})"
+        lines.append(elastic)
     stages = document.get("stages")
     for stage in stages if isinstance(stages, list) else []:
         if not isinstance(stage, Mapping):

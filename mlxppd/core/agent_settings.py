@@ -99,6 +99,12 @@ class HostSettings(BaseSettings):
         description="KV cache budget of this host's stage in bytes; overrides "
         "[cluster] kv_budget_bytes.",
     )
+    memory_budget_bytes: int | None = Field(
+        None,
+        ge=1,
+        description="Memory this host's stage may use for parameters and KV cache, bytes; the "
+        "elastic partitioner plans within it (unset: no limit).",
+    )
     log_level: LogLevel = Field("info", description="Log level: debug, info, warning, error.")
     state_dir: str = Field(
         "/var/lib/mlxpp",

@@ -116,7 +116,29 @@ class Status(_Meta):
     rid: int = Field(ge=0)
 
 
-Command = Admit | Release | Configure | Status | TraceDump
+class Admission(_Meta):
+    """Open or close a stage's admission (an elastic drain closes every stage)."""
+
+    op: Literal["admission"] = "admission"
+    rid: int = Field(ge=0)
+    open: bool
+    state: str = Field("idle", max_length=32, description="elastic state to report meanwhile")
+
+
+class Reassign(_Meta):
+    """Elastic resume, in two phases so that a failure anywhere changes nothing anywhere:
+    ``prepare`` loads the stage's new layers beside the old, ``commit`` switches to them,
+    ``abort`` drops what ``prepare`` loaded."""
+
+    op: Literal["reassign"] = "reassign"
+    rid: int = Field(ge=0)
+    phase: Literal["prepare", "commit", "abort"]
+    plan: list[tuple[int, int]] = Field(
+        min_length=1, max_length=4096, description="[start, end) layers of every stage"
+    )
+
+
+Command = Admit | Release | Configure | Status | TraceDump | Admission | Reassign
 Control = Annotated[Command, Field(discriminator="op")]
 _CONTROL: TypeAdapter[Command] = TypeAdapter(Control)
 

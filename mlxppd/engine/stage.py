@@ -30,6 +30,10 @@ class LoadedStage:
     net: StageNet
     config: dict[str, Any]
     parameter_bytes: int
+    loaded_tensors: int = 0
+    """tensors read from the checkpoint for this stage"""
+    reused_tensors: int = 0
+    """tensors taken over from the stage it replaced (a repartition keeps its layers)"""
 
     def make_cache(self) -> list[Any]:
         return self.net.make_cache()
@@ -64,9 +68,18 @@ def _quant_params(
 
 
 def load_stage(
-    model_dir: Path, spec: StageSpec, config: dict[str, Any] | None = None
+    model_dir: Path,
+    spec: StageSpec,
+    config: dict[str, Any] | None = None,
+    *,
+    reuse: LoadedStage | None = None,
 ) -> LoadedStage:
-    """Build the stage's module and load only the tensors it owns."""
+    """Build the stage's module and load only the tensors it owns.
+
+    ``reuse``: the stage this one replaces (a repartition). Tensors it already holds under the
+    same name are taken over as they are (names carry global layer indices), so only the layers
+    gained are read; the layers lost go when ``reuse`` is dropped.
+    """
     config = config or read_config(model_dir)
     family = family_for(config)
     total = family.num_layers(config)
@@ -99,12 +112,34 @@ def load_stage(
             f"(first: {missing[0]}); is the model directory complete?",
             source=str(model_dir),
         )
+    held: dict[str, mx.array] = {}
+    if reuse is not None:
+        held = dict(cast(list[tuple[str, mx.array]], tree_flatten(reuse.net.model.parameters())))
+    chosen = []
+    reused = 0
+    for name in expected:
+        old = held.get(name)
+        if (
+            old is not None
+            and old.shape == weights[name].shape
+            and old.dtype == weights[name].dtype
+        ):
+            chosen.append((name, old))
+            reused += 1
+        else:
+            chosen.append((name, weights[name]))
     # strict: every parameter is replaced by a checkpoint tensor of the same shape.
-    model.load_weights([(name, weights[name]) for name in expected], strict=True)
+    model.load_weights(chosen, strict=True)
+    # Only the lazily opened tensors are read here; reused ones are already in memory.
     mx.eval(model.parameters())
     model.eval()
     params = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
     nbytes = sum(v.nbytes for _, v in params)
     return LoadedStage(
-        spec=spec, net=StageNet(family, model, spec), config=config, parameter_bytes=nbytes
+        spec=spec,
+        net=StageNet(family, model, spec),
+        config=config,
+        parameter_bytes=nbytes,
+        loaded_tensors=len(expected) - reused,
+        reused_tensors=reused,
     )

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mlxppd.core.cluster_health import overall_health
 from mlxppd.http.errors import ApiError, error_response
@@ -23,6 +24,8 @@ __all__ = [
     "ADMIN_PREFIX",
     "DRAIN_PATH",
     "MAX_ADMIN_BODY_BYTES",
+    "EVENTS_PATH",
+    "REPARTITION_PATH",
     "RESUME_PATH",
     "STATUS_PATH",
     "AdminApi",
@@ -36,6 +39,8 @@ ADMIN_PREFIX = "/admin/"
 STATUS_PATH = "/admin/v1/status"
 DRAIN_PATH = "/admin/v1/drain"
 RESUME_PATH = "/admin/v1/resume"
+REPARTITION_PATH = "/admin/v1/repartition"
+EVENTS_PATH = "/admin/v1/repartition/events"
 #: admin requests carry no real payload; refuse anything bigger before hashing it
 MAX_ADMIN_BODY_BYTES = 64 * 1024
 
@@ -65,6 +70,30 @@ class AdminController(Protocol):
         """Admit requests again; e.g. ``{"admission": "open"}``."""
         ...
 
+    async def repartition(
+        self, stage_memory: list[int | None] | None, pp_layers: str | None
+    ) -> dict[str, Any]:
+        """An explicit elastic trigger: ``{"accepted": true, "seq": n}`` or
+        ``{"accepted": false, "reason": ..., "message": ...}``."""
+        ...
+
+    async def events(self, after: int) -> dict[str, Any]:
+        """``{"state": ..., "events": [...]}``: repartition events numbered above ``after``."""
+        ...
+
+
+class RepartitionRequest(BaseModel):
+    """The body of POST /admin/v1/repartition."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    stage_memory: list[int | None] | None = Field(
+        None, max_length=1024, description="memory budget per stage in bytes (null: unlimited)"
+    )
+    pp_layers: str | None = Field(
+        None, min_length=1, max_length=8192, description='inclusive ranges, e.g. "0-9,10-29"'
+    )
+
 
 @dataclass(frozen=True)
 class AdminApi:
@@ -79,6 +108,7 @@ class AdminApi:
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_BODY = web.RequestKey("mlxpp_admin_body", bytes)
 
 
 def add_admin_routes(
@@ -102,6 +132,26 @@ def add_admin_routes(
 
     async def resume(request: web.Request) -> web.Response:
         return _json(await controller.resume())
+
+    async def repartition(request: web.Request) -> web.Response:
+        raw = request[_BODY] or b"{}"
+        try:
+            body = RepartitionRequest.model_validate_json(raw)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "body"
+            return error_response(
+                ApiError(400, f"{where}: {first['msg']}", code="invalid_repartition_request")
+            )
+        outcome = await controller.repartition(body.stage_memory, body.pp_layers)
+        return _json(outcome, status=202 if outcome.get("accepted") else 409)
+
+    async def events(request: web.Request) -> web.Response:
+        try:
+            after = int(request.query.get("after", "-1"))
+        except ValueError:
+            return error_response(ApiError(400, "after must be an integer", code="invalid_after"))
+        return _json(await controller.events(after))
 
     def guarded(route: str, action: Callable[[web.Request], Awaitable[web.Response]]) -> Handler:
         async def handler(request: web.Request) -> web.StreamResponse:
@@ -139,6 +189,7 @@ def add_admin_routes(
                         headers={"WWW-Authenticate": "MLXPP-HMAC"},
                     )
                 )
+            request[_BODY] = body
             try:
                 return await action(request)
             except Exception:
@@ -157,11 +208,13 @@ def add_admin_routes(
     app.router.add_get(STATUS_PATH, guarded(STATUS_PATH, status), allow_head=False)
     app.router.add_post(DRAIN_PATH, guarded(DRAIN_PATH, drain))
     app.router.add_post(RESUME_PATH, guarded(RESUME_PATH, resume))
+    app.router.add_post(REPARTITION_PATH, guarded(REPARTITION_PATH, repartition))
+    app.router.add_get(EVENTS_PATH, guarded(EVENTS_PATH, events), allow_head=False)
 
 
-def _json(document: dict[str, Any]) -> web.Response:
+def _json(document: dict[str, Any], status: int = 200) -> web.Response:
     # Cluster state is live: a cache in between must never answer for the coordinator.
-    return web.json_response(document, headers={"Cache-Control": "no-store"})
+    return web.json_response(document, status=status, headers={"Cache-Control": "no-store"})
 
 
 async def _read_bounded(request: web.Request) -> bytes | None:

@@ -16,8 +16,8 @@ from mlxppd.core.agent_plan import CoordinatorTarget
 from mlxppd.http.admin_api import AdminApi
 from mlxppd.http.openai_api import create_app
 from mlxppd.runtime.agent import Agent
-from mlxppd.runtime.agent_backend import AgentBackend
-from mlxppd.runtime.agent_status import AgentAdmin
+from mlxppd.runtime.agent_status import agent_admin
+from mlxppd.runtime.gated_backend import GatedBackend
 from mlxppd.wire.admin_auth import AdminVerifier, admin_key
 
 log = logging.getLogger("mlxppd.http")
@@ -33,7 +33,7 @@ class AgentHttp:
 
 
 async def start_agent_http(
-    backend: AgentBackend, target: CoordinatorTarget, agent: Agent
+    backend: GatedBackend, target: CoordinatorTarget, agent: Agent
 ) -> AgentHttp:
     context = agent.context
     assert context is not None
@@ -44,7 +44,7 @@ async def start_agent_http(
             metrics.admin_auth_failures.labels(reason=reason).inc()
 
     admin = AdminApi(
-        AgentAdmin(agent),
+        agent_admin(agent),
         # The key is derived afresh from the secret in force; the raw secret stays here.
         AdminVerifier(admin_key(context.secret.key_bytes()), clock=time.time),
         count_auth_failure,

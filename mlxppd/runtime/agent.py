@@ -18,15 +18,17 @@ from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from mlxppd.core.agent_desired import config_generation, desired_state, match_node
 from mlxppd.core.agent_plan import CoordinatorTarget, DesiredState, plan
-from mlxppd.core.agent_settings import CLUSTER_FILE, HostSettings, load_host_settings
-from mlxppd.core.cluster_config import parse_cluster_config
+from mlxppd.core.agent_settings import CLUSTER_FILE, HOST_FILE, HostSettings, load_host_settings
+from mlxppd.core.cluster_config import ElasticPolicy, parse_cluster_config
 from mlxppd.core.errors import ConfigurationError, MlxppError
 from mlxppd.engine.model_files import read_config, resolve_model_dir
 from mlxppd.engine.tokenizer import load_tokenizer
 from mlxppd.runtime.agent_actions import AgentContext, NodeRuntime
-from mlxppd.runtime.agent_backend import AgentBackend
+from mlxppd.runtime.gated_backend import GatedBackend
 from mlxppd.runtime.metrics import PipelineMetrics
 from mlxppd.runtime.mlx_thread import MlxThread
 from mlxppd.runtime.sd_notify import SdNotifier, watchdog_loop
@@ -35,7 +37,7 @@ from mlxppd.wire.secret import load_cluster_secret
 
 log = logging.getLogger("mlxppd.agent")
 
-HttpStarter = Callable[[AgentBackend, CoordinatorTarget, "Agent"], Awaitable[Any]]
+HttpStarter = Callable[[GatedBackend, CoordinatorTarget, "Agent"], Awaitable[Any]]
 
 
 def load_configuration(
@@ -45,6 +47,7 @@ def load_configuration(
     is_local: Callable[[str], bool],
     *,
     model_dir: Path | None = None,
+    elastic: Mapping[str, Any] | None = None,
 ) -> tuple[DesiredState, AgentContext]:
     """Every file of the config directory, checked and turned into a desired state.
 
@@ -64,6 +67,17 @@ def load_configuration(
     except UnicodeDecodeError:
         raise ConfigurationError("the cluster TOML is not UTF-8 text", source=str(path)) from None
     cluster = parse_cluster_config(text, str(path))
+    flags = {k: v for k, v in (elastic or {}).items() if v is not None}
+    if flags:
+        # --enable-elastic-pp and --elastic-pp-* win over [cluster.elastic].
+        try:
+            policy = ElasticPolicy.model_validate({**cluster.cluster.elastic.model_dump(), **flags})
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            flag = "--elastic-pp-" + str(first["loc"][0]).replace("_", "-")
+            raise ConfigurationError(str(first["msg"]), source=flag) from None
+        section = cluster.cluster.model_copy(update={"elastic": policy})
+        cluster = cluster.model_copy(update={"cluster": section})
     secret = load_cluster_secret(
         flag_path=overrides.get("secret_file"),
         environ=environ,
@@ -90,8 +104,10 @@ class Agent:
         http_starter: HttpStarter,
         metrics: PipelineMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        elastic: Mapping[str, Any] | None = None,
     ) -> None:
         self.config_dir = config_dir
+        self._elastic = dict(elastic or {})
         self._overrides = dict(overrides)
         self._environ = environ
         self._is_local = is_local
@@ -133,7 +149,7 @@ class Agent:
             "config_generation": self.runtime.generation,
             "last_reload_error": self.last_reload_error or self.last_reconcile_error,
             "reload_failures": self.reload_failures,
-            "elastic_state": "idle",
+            "memory_budget_bytes": self.context.host.memory_budget_bytes if self.context else None,
             "last_reload": self.runtime.last_reload,
         }
 
@@ -157,7 +173,7 @@ class Agent:
         try:
             desired, context = load_configuration(
                 self.config_dir, self._overrides, self._environ, self._is_local,
-                model_dir=model_dir,
+                model_dir=model_dir, elastic=self._elastic,
             )  # fmt: skip
             if self.context is not None and context.host.model != self.context.host.model:
                 raise ConfigurationError(
@@ -285,9 +301,17 @@ class Agent:
     async def _watch(self, stop: asyncio.Event) -> None:
         import watchfiles
 
+        def relevant(_change: object, path: str) -> bool:
+            # Only the files the agent reads: logs or sockets in the directory must not loop.
+            name = Path(path).name
+            secret = self.context.secret.origin if self.context is not None else ""
+            return name in (CLUSTER_FILE, HOST_FILE) or (bool(name) and name in secret)
+
         while not stop.is_set():
             try:
-                async for _ in watchfiles.awatch(self.config_dir, stop_event=stop, debounce=400):
+                async for _ in watchfiles.awatch(
+                    self.config_dir, stop_event=stop, debounce=400, watch_filter=relevant
+                ):
                     log.info("agent: %s changed; reloading", self.config_dir)
                     self.trigger()
             except (FileNotFoundError, RuntimeError) as exc:

@@ -36,12 +36,19 @@ from mlxppd.core.agent_plan import (
 from mlxppd.core.agent_settings import HostSettings
 from mlxppd.core.cluster_config import ClusterConfig, ElasticPolicy
 from mlxppd.core.errors import TemporaryError
+from mlxppd.core.model_profile import profile_from_config
 from mlxppd.core.stages import StageSpec
-from mlxppd.runtime.agent_backend import AgentBackend
 from mlxppd.runtime.coordinator import Coordinator
+from mlxppd.runtime.elastic_driver import ElasticDriver
+from mlxppd.runtime.gated_backend import GatedBackend
 from mlxppd.runtime.metrics import PipelineMetrics
 from mlxppd.runtime.mlx_thread import MlxThread
-from mlxppd.runtime.stage_loader import UNLIMITED_BYTES, load_stage_runner, stage_kv_manager
+from mlxppd.runtime.stage_loader import (
+    UNLIMITED_BYTES,
+    layer_preparer,
+    load_stage_runner,
+    stage_kv_manager,
+)
 from mlxppd.runtime.stage_worker import StageWorker
 from mlxppd.wire.backends import create_transport, wire_config_for
 from mlxppd.wire.secret import ClusterSecret
@@ -76,7 +83,7 @@ class NodeRuntime:
         *,
         tokenizer_loader: Callable[[Path], Any],
         stage_extras: Callable[[], dict[str, Any]],
-        start_http: Callable[[AgentBackend, CoordinatorTarget], Any],
+        start_http: Callable[[GatedBackend, CoordinatorTarget], Any],
         metrics: PipelineMetrics | None = None,
         connect_timeout_s: float = 60.0,
     ) -> None:
@@ -87,7 +94,7 @@ class NodeRuntime:
         self.metrics = metrics
         self.connect_timeout_s = connect_timeout_s
         self.worker: StageWorker | None = None
-        self.backend: AgentBackend | None = None
+        self.backend: GatedBackend | None = None
         self.http: Any = None  # an object with ``async close()`` (the HTTP site)
         self.stage: StageTarget | None = None
         self.coordinator: CoordinatorTarget | None = None
@@ -95,6 +102,9 @@ class NodeRuntime:
         self.generation: str | None = None
         #: timings and tensor counts of the last stage reload (status and tests read them)
         self.last_reload: dict[str, Any] | None = None
+        self.driver: ElasticDriver | None = None
+        self._driver_stop = asyncio.Event()
+        self._pressure: asyncio.Task[None] | None = None
 
     def observed(self) -> ObservedState:
         connected = True
@@ -137,6 +147,8 @@ class NodeRuntime:
             await self._replan_coordinator(action.target, ctx)
         elif isinstance(action, UpdatePolicy):
             self.policy = action.policy
+            if self.driver is not None:
+                self.driver.update_policy(action.policy)
         elif isinstance(action, SetGeneration):
             self.generation = action.generation
 
@@ -149,7 +161,12 @@ class NodeRuntime:
         transport = create_transport(
             target.transport, wire_config_for(ctx.cluster, target.node_id, ctx.secret)
         )
-        worker = StageWorker(spec, runner, kv, transport, self.mlx, extras=self._stage_extras)
+        prepare = layer_preparer(
+            self.mlx, ctx.model_dir, ctx.model_config, target.kv_budget_bytes, MAX_STAGE_SEQUENCES
+        )
+        worker = StageWorker(
+            spec, runner, kv, transport, self.mlx, extras=self._stage_extras, prepare_layers=prepare
+        )
         address = await worker.start(target.host, target.port)
         self.worker, self.stage = worker, target
         log.info(
@@ -182,7 +199,7 @@ class NodeRuntime:
         try:
             spec = _spec(target)
             runner, per_token = await load_stage_runner(
-                self.mlx, ctx.model_dir, spec, ctx.model_config
+                self.mlx, ctx.model_dir, spec, ctx.model_config, reuse=worker.runner
             )
             kv = stage_kv_manager(spec, per_token, target.kv_budget_bytes, MAX_STAGE_SEQUENCES)
             loaded = time.monotonic()
@@ -201,6 +218,8 @@ class NodeRuntime:
             "drain_s": drained - started,
             "load_s": loaded - drained,
             "total_s": time.monotonic() - started,
+            "loaded_tensors": runner.stage.loaded_tensors,
+            "reused_tensors": runner.stage.reused_tensors,
         }
         log.info(
             "stage %d (%s) now serves layers %d-%d (drain %.2f s, load %.2f s)",
@@ -223,7 +242,18 @@ class NodeRuntime:
     async def _start_coordinator(self, target: CoordinatorTarget, ctx: AgentContext) -> None:
         if self.backend is None:
             tokenizer = self._tokenizer_loader(ctx.model_dir)
-            self.backend = AgentBackend(tokenizer, ctx.model_dir.name)
+            self.backend = GatedBackend(tokenizer, ctx.model_dir.name)
+            self.driver = ElasticDriver(
+                self.policy or ctx.cluster.cluster.elastic,
+                target.layers,
+                profile_from_config(ctx.model_config),
+                self.backend,
+                metrics=self.metrics,
+            )
+            self._driver_stop = asyncio.Event()
+            self._pressure = asyncio.create_task(
+                self.driver.watch_pressure(self._driver_stop), name="elastic-pressure"
+            )
         # HTTP first: health and the admin API answer while the pipeline connects.
         self.http = await self._start_http(self.backend, target)
         self.coordinator = target
@@ -261,10 +291,17 @@ class NodeRuntime:
         if self.backend is not None:
             self.backend.hold("stop", "this node is shutting down its coordinator")
             await self.backend.wait_idle(drain_timeout_s)
+        self._driver_stop.set()
+        if self.driver is not None:
+            await self.driver.close()
+        if self._pressure is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._pressure
         await self._close_pipeline()
         if self.http is not None:
             await self.http.close()
         self.http, self.backend, self.coordinator = None, None, None
+        self.driver, self._pressure = None, None
 
     async def _restart_coordinator(self, target: CoordinatorTarget, ctx: AgentContext) -> None:
         assert self.backend is not None and self.coordinator is not None
@@ -296,6 +333,8 @@ class NodeRuntime:
             assert live is not None
             live.plan = target.layers
             self.coordinator = target
+            if self.driver is not None:
+                self.driver.reset_ranges(target.layers)
             await self._wait_for_stage_layers(live, target, ctx.host.drain_timeout_s + 60.0)
         finally:
             backend.release("replan")

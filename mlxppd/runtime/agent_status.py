@@ -1,13 +1,22 @@
-"""The coordinator agent's admin controller: the cluster status document, drain and resume.
+"""The coordinator's admin controller: the cluster status document, drain, resume, repartition.
 
 The document's shape is docs/admin-api.md's; the HTTP layer adds the health badge. Stage cards
 come from each stage's own status report over the pipeline link, so "process alive" means the
 stage answered just now, and "transport connected" that the coordinator's link to it is up.
+The same controller serves the agent's coordinator and ``mlxppd serve``'s (``CoordinatorView``
+says where each piece of information comes from).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from mlxppd.core.agent_plan import StageAddress
+from mlxppd.core.elastic import Trigger
+from mlxppd.runtime.elastic_driver import ElasticDriver
+from mlxppd.runtime.gated_backend import GatedBackend
 
 if TYPE_CHECKING:
     from mlxppd.runtime.agent import Agent
@@ -15,83 +24,145 @@ if TYPE_CHECKING:
 ADMIN_HOLD = "admin"
 
 
-class AgentAdmin:
-    """Implements the HTTP layer's ``AdminController`` over a running coordinator agent."""
+@dataclass
+class CoordinatorView:
+    """Where the admin controller reads from; callables, since the parts are replaced live."""
 
-    def __init__(self, agent: Agent) -> None:
-        self.agent = agent
+    cluster_name: Callable[[], str]
+    node_id: Callable[[], str]
+    gate: Callable[[], GatedBackend | None]
+    stages: Callable[[], Sequence[StageAddress]]
+    http_address: Callable[[], str]
+    driver: Callable[[], ElasticDriver | None]
+    generation: Callable[[], str] = lambda: ""
+    last_reload_error: Callable[[], str | None] = lambda: None
+    last_error: Callable[[], str | None] = lambda: None
+    reload_failures: Callable[[], int] = lambda: 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class CoordinatorAdmin:
+    """Implements the HTTP layer's ``AdminController``."""
+
+    def __init__(self, view: CoordinatorView) -> None:
+        self.view = view
 
     async def status(self) -> dict[str, Any]:
-        agent = self.agent
-        rt = agent.runtime
-        backend = rt.backend
-        target = rt.coordinator
-        live = backend.coordinator if backend is not None else None
+        view = self.view
+        gate = view.gate()
+        live = gate.coordinator if gate is not None else None
         reports: dict[str, dict[str, Any] | None] = {}
-        if live is not None and live.connected:
-            reports = await live.stage_reports()
         ready = live is not None and live.connected
+        if live is not None and ready:
+            reports = await live.stage_reports()
         if ready:
             detail = "all stages connected"
-        elif agent.last_reconcile_error:
-            detail = agent.last_reconcile_error
         else:
-            detail = "the pipeline is connecting"
-        stages = []
-        for index, stage in enumerate(target.stages if target is not None else ()):
-            report = reports.get(stage.node_id)
-            layers = None
-            if report is not None and isinstance(report.get("layers"), list):
-                start, end = report["layers"]
-                layers = f"{start}-{end - 1}"
-            budget = report.get("kv_budget_bytes") if report else None
-            stages.append(
-                {
-                    "stage": index,
-                    "node_id": stage.node_id,
-                    "address": f"{stage.host}:{stage.port}",
-                    "layers": layers,
-                    "process_alive": report is not None,
-                    "transport_connected": live is not None and live.link_alive(stage.node_id),
-                    "in_flight": report.get("active_sequences") if report else None,
-                    "kv_used_bytes": report.get("kv_used_bytes") if report else None,
-                    # An unlimited budget is a huge sentinel on the stage; show it as null.
-                    "kv_budget_bytes": budget if budget is not None and budget < 1 << 60 else None,
-                    "elastic_state": report.get("elastic_state") if report else None,
-                    "config_generation": report.get("config_generation") if report else None,
-                    "last_reload_error": report.get("last_reload_error") if report else None,
-                }
-            )
-        http = f"{target.http_host}:{target.http_port}" if target is not None else ""
-        return {
-            "cluster": agent.context.cluster.cluster.name if agent.context else "",
-            "coordinator": {
-                "node_id": agent.desired.node_id if agent.desired else "",
-                "http_address": http,
-                "ready": ready,
-                "detail": detail,
-                "admission": backend.admission if backend is not None else "draining",
-                "in_flight": backend.in_flight if backend is not None else 0,
-                "waiting": live.waiting if live is not None else 0,
-                "config_generation": rt.generation or "",
-                "last_reload_error": agent.last_reload_error,
-                "elastic_state": "idle",
-                "reload_failures": agent.reload_failures,
-            },
-            "stages": stages,
+            detail = view.last_error() or "the pipeline is connecting"
+        driver = view.driver()
+        stages = [_card(i, s, reports.get(s.node_id), live) for i, s in enumerate(view.stages())]
+        coordinator = {
+            "node_id": view.node_id(),
+            "http_address": view.http_address(),
+            "ready": ready,
+            "detail": detail,
+            "admission": gate.admission if gate is not None else "draining",
+            "in_flight": gate.in_flight if gate is not None else 0,
+            "waiting": live.waiting if live is not None else 0,
+            "config_generation": view.generation(),
+            "last_reload_error": view.last_reload_error(),
+            "elastic_state": str(driver.state) if driver is not None else "idle",
+            "reload_failures": view.reload_failures(),
         }
+        if driver is not None:
+            coordinator["elastic_enabled"] = driver.machine.policy.enabled
+            coordinator["last_repartition_event"] = driver.last_event()
+            coordinator["last_repartition_loads"] = driver.last_loads
+        return {"cluster": view.cluster_name(), "coordinator": coordinator, "stages": stages}
 
     async def drain(self) -> dict[str, Any]:
-        backend = self.agent.runtime.backend
-        if backend is None:
+        gate = self.view.gate()
+        if gate is None:
             return {"admission": "draining", "in_flight": 0}
-        backend.hold(ADMIN_HOLD, "the cluster is drained by an operator (mlxppctl drain)")
-        return {"admission": backend.admission, "in_flight": backend.in_flight}
+        gate.hold(ADMIN_HOLD, "the cluster is drained by an operator (mlxppctl drain)")
+        return {"admission": gate.admission, "in_flight": gate.in_flight}
 
     async def resume(self) -> dict[str, Any]:
-        backend = self.agent.runtime.backend
-        if backend is None:
+        gate = self.view.gate()
+        if gate is None:
             return {"admission": "draining", "in_flight": 0}
-        backend.release(ADMIN_HOLD)
+        gate.release(ADMIN_HOLD)
         # Other holds (a reload under way) keep admission closed until they end.
-        return {"admission": backend.admission, "in_flight": backend.in_flight}
+        return {"admission": gate.admission, "in_flight": gate.in_flight}
+
+    async def repartition(
+        self, stage_memory: list[int | None] | None, pp_layers: str | None
+    ) -> dict[str, Any]:
+        driver = self.view.driver()
+        if driver is None:
+            return {
+                "accepted": False,
+                "reason": "disabled",
+                "message": "this coordinator has no pipeline to repartition yet",
+            }
+        return driver.trigger(Trigger.EXPLICIT, stage_memory=stage_memory, pp_layers=pp_layers)
+
+    async def events(self, after: int) -> dict[str, Any]:
+        driver = self.view.driver()
+        if driver is None:
+            return {"state": "idle", "events": []}
+        return {"state": str(driver.state), "events": driver.events_after(after)}
+
+
+def _card(
+    index: int, stage: StageAddress, report: dict[str, Any] | None, live: Any
+) -> dict[str, Any]:
+    layers = None
+    if report is not None and isinstance(report.get("layers"), list):
+        start, end = report["layers"]
+        layers = f"{start}-{end - 1}"
+    budget = report.get("kv_budget_bytes") if report else None
+
+    def get(key: str) -> Any:
+        return report.get(key) if report else None
+
+    return {
+        "stage": index,
+        "node_id": stage.node_id,
+        "address": f"{stage.host}:{stage.port}",
+        "layers": layers,
+        "process_alive": report is not None,
+        "transport_connected": live is not None and live.link_alive(stage.node_id),
+        "in_flight": get("active_sequences"),
+        "kv_used_bytes": get("kv_used_bytes"),
+        # An unlimited budget is a huge sentinel on the stage; show it as null.
+        "kv_budget_bytes": budget if budget is not None and budget < 1 << 60 else None,
+        "elastic_state": get("elastic_state"),
+        "config_generation": get("config_generation"),
+        "last_reload_error": get("last_reload_error"),
+        "memory_budget_bytes": get("memory_budget_bytes"),
+    }
+
+
+def agent_admin(agent: Agent) -> CoordinatorAdmin:
+    """The controller of an agent's coordinator."""
+    rt = agent.runtime
+
+    def http() -> str:
+        target = rt.coordinator
+        return f"{target.http_host}:{target.http_port}" if target is not None else ""
+
+    return CoordinatorAdmin(
+        CoordinatorView(
+            cluster_name=lambda: agent.context.cluster.cluster.name if agent.context else "",
+            node_id=lambda: agent.desired.node_id if agent.desired else "",
+            gate=lambda: rt.backend,
+            stages=lambda: rt.coordinator.stages if rt.coordinator is not None else (),
+            http_address=http,
+            driver=lambda: rt.driver,
+            generation=lambda: rt.generation or "",
+            last_reload_error=lambda: agent.last_reload_error,
+            last_error=lambda: agent.last_reconcile_error,
+            reload_failures=lambda: agent.reload_failures,
+        )
+    )

@@ -238,6 +238,20 @@ class Coordinator:
         """Each stage's own report (KV use, busy fraction, forwards)."""
         return [await self._request(link, {"op": "status"}) for link in self._links]
 
+    async def set_stage_admission(self, open_: bool, state: str) -> None:
+        """Open or close admission on every stage (an elastic drain), reporting ``state``."""
+        command = {"op": "admission", "open": open_, "state": state}
+        await asyncio.gather(*(self._request(link, command) for link in self._links))
+
+    async def reassign(
+        self, phase: str, plan: tuple[LayerRange, ...], timeout_s: float
+    ) -> list[dict[str, Any]]:
+        """One phase of an elastic resume on every stage; each stage's reply, in stage order."""
+        command = {"op": "reassign", "phase": phase, "plan": [[r.start, r.end] for r in plan]}
+        return list(
+            await asyncio.gather(*(self._request(link, command, timeout_s) for link in self._links))
+        )
+
     @property
     def connected(self) -> bool:
         """Every stage link is up (False once one was lost: the pipeline must reconnect)."""
@@ -417,13 +431,15 @@ class Coordinator:
             self._fail(link, f"stage {link.node.id} is unreachable: {exc}")
             raise BackendUnavailable(self._broken or str(exc)) from None
 
-    async def _request(self, link: _StageLink, command: dict[str, Any]) -> dict[str, Any]:
+    async def _request(
+        self, link: _StageLink, command: dict[str, Any], timeout_s: float = REPLY_TIMEOUT_S
+    ) -> dict[str, Any]:
         rid = next(self._rid)
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._replies[rid] = future
         try:
             await link.channel.send(MessageKind.CONTROL, {**command, "rid": rid})
-            async with asyncio.timeout(REPLY_TIMEOUT_S):
+            async with asyncio.timeout(timeout_s):
                 return await future
         except (ChannelClosedError, TimeoutError) as exc:
             self._fail(link, f"stage {link.node.id} did not answer: {exc or 'timeout'}")

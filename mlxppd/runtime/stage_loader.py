@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,16 +20,53 @@ UNLIMITED_BYTES = 1 << 62
 
 
 async def load_stage_runner(
-    mlx: MlxThread, model_dir: Path, spec: StageSpec, config: dict[str, Any]
+    mlx: MlxThread,
+    model_dir: Path,
+    spec: StageSpec,
+    config: dict[str, Any],
+    *,
+    reuse: StageRunner | None = None,
 ) -> tuple[StageRunner, int]:
-    """The stage's runner and its KV bytes per token, loaded on the mlx thread."""
+    """The stage's runner and its KV bytes per token, loaded on the mlx thread.
+
+    ``reuse``: the runner being replaced; its tensors for layers the new spec keeps are taken
+    over, so only the gained layers are read (``runner.stage.loaded_tensors`` counts them)."""
 
     def load() -> tuple[StageRunner, int]:
-        stage = load_stage(model_dir, spec, config)
+        old = reuse.stage if reuse is not None else None
+        stage = load_stage(model_dir, spec, config, reuse=old)
         per_token = kv_bytes_per_token(stage, int(text_config(config)["hidden_size"]))
         return StageRunner(stage), per_token
 
     return await mlx.run(load)
+
+
+def layer_preparer(
+    mlx: MlxThread,
+    model_dir: Path,
+    config: dict[str, Any],
+    budget_bytes: int | None,
+    max_sequences: int,
+) -> Callable[
+    [StageSpec, StageRunner], Awaitable[tuple[StageRunner, StageKvManager, dict[str, Any]]]
+]:
+    """The stage worker's ``prepare_layers``: new layers beside the old, reusing what it can."""
+
+    async def prepare(
+        spec: StageSpec, current: StageRunner
+    ) -> tuple[StageRunner, StageKvManager, dict[str, Any]]:
+        started = time.monotonic()
+        runner, per_token = await load_stage_runner(mlx, model_dir, spec, config, reuse=current)
+        kv = stage_kv_manager(spec, per_token, budget_bytes, max_sequences)
+        report = {
+            "layers": [spec.start, spec.end],
+            "loaded_tensors": runner.stage.loaded_tensors,
+            "reused_tensors": runner.stage.reused_tensors,
+            "load_s": time.monotonic() - started,
+        }
+        return runner, kv, report
+
+    return prepare
 
 
 def stage_kv_manager(

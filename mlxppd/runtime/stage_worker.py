@@ -14,7 +14,7 @@ import functools
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,10 +28,12 @@ from mlxppd.core.kv_admission import (
     StageKvManager,
 )
 from mlxppd.core.pipeline_messages import (
+    Admission,
     Admit,
     BatchForwardMeta,
     Configure,
     ForwardMeta,
+    Reassign,
     Release,
     Status,
     TraceDump,
@@ -51,6 +53,10 @@ from mlxppd.wire.transport import Listener, Transport
 log = logging.getLogger("mlxppd.stage")
 
 _Item = tuple[str, Any]
+#: loads a stage's new layers, reusing what the current runner holds: (runner, kv, report)
+PrepareLayers = Callable[
+    [StageSpec, StageRunner], Awaitable[tuple[StageRunner, StageKvManager, dict[str, Any]]]
+]
 
 
 class ProtocolViolation(Exception):
@@ -77,6 +83,7 @@ class StageWorker:
         mlx: MlxThread,
         *,
         extras: Callable[[], dict[str, Any]] | None = None,
+        prepare_layers: PrepareLayers | None = None,
     ) -> None:
         self.spec = spec
         self.runner = runner
@@ -97,6 +104,10 @@ class StageWorker:
         self.admitting = True
         # What the agent adds to each status report (config generation, reload error, ...).
         self._extras = extras or dict
+        self._prepare_layers = prepare_layers
+        self._staged: tuple[StageSpec, StageRunner, StageKvManager] | None = None
+        self._side_tasks: set[asyncio.Task[None]] = set()
+        self.elastic_state = "idle"
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
         self._tasks = [
@@ -152,9 +163,10 @@ class StageWorker:
         )  # fmt: skip
         if self._listener is not None:
             await self._listener.close()
-        for task in self._tasks:
+        tasks = [*self._tasks, *self._side_tasks]
+        for task in tasks:
             task.cancel()
-        for task in self._tasks:
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         if self._downstream is not None:
@@ -206,6 +218,15 @@ class StageWorker:
             await self._work.put(("release", command.seq))
         elif isinstance(command, Status):
             await channel.send(MessageKind.REPLY, {"rid": command.rid, **self.status()})
+        elif isinstance(command, Admission):
+            self.admitting = command.open
+            self.elastic_state = command.state
+            await channel.send(MessageKind.REPLY, {"rid": command.rid, "ok": True})
+        elif isinstance(command, Reassign):
+            # Loading takes long; this channel keeps answering status meanwhile.
+            task = asyncio.create_task(self._reassign(channel, command), name="stage-reassign")
+            self._side_tasks.add(task)
+            task.add_done_callback(self._side_tasks.discard)
         elif isinstance(command, TraceDump):
             # Events can be many: they travel as a JSON byte tensor, not as metadata.
             payload = np.frombuffer(json.dumps(self.trace.take()).encode(), dtype=np.uint8)
@@ -256,6 +277,39 @@ class StageWorker:
             }
         return reply
 
+    async def _reassign(self, channel: SecureChannel, command: Reassign) -> None:
+        reply: dict[str, Any] = {"rid": command.rid, "ok": True}
+        try:
+            if command.phase == "prepare":
+                reply.update(await self._prepare(command.plan))
+            elif command.phase == "commit":
+                if self._staged is None:
+                    raise ProtocolViolation("commit without a prepared plan")
+                spec, runner, kv = self._staged
+                self._staged = None
+                await self.swap(spec, runner, kv)
+            else:
+                self._staged = None
+        except Exception as exc:  # reported to the coordinator, which aborts everywhere
+            self._staged = None
+            reply = {"rid": command.rid, "ok": False, "error": str(exc) or type(exc).__name__}
+        with contextlib.suppress(ChannelClosedError):
+            await channel.send(MessageKind.REPLY, reply)
+
+    async def _prepare(self, plan: list[tuple[int, int]]) -> dict[str, Any]:
+        if self._prepare_layers is None:
+            raise ProtocolViolation("this stage cannot change its layers")
+        if len(plan) != self.spec.num_stages:
+            raise ProtocolViolation(f"a plan of {len(plan)} stages for {self.spec.num_stages}")
+        if self.kv.reserved:
+            raise ProtocolViolation(f"{len(self.kv.reserved)} sequences still hold KV here")
+        start, end = plan[self.spec.index]
+        spec = StageSpec(self.spec.index, self.spec.num_stages, start, end)
+        self.elastic_state = "resuming"
+        runner, kv, report = await self._prepare_layers(spec, self.runner)
+        self._staged = (spec, runner, kv)
+        return report
+
     def _closed_reason(self, command: Admit) -> AdmissionDiagnostic | None:
         reason = None
         if not self.admitting:
@@ -294,6 +348,7 @@ class StageWorker:
             "wire": self.transport.stats.snapshot(),
             "trace_dropped": self.trace.dropped,
             "admission": "open" if self.admitting else "draining",
+            "elastic_state": self.elastic_state,
             "now": time.time(),
             **self._extras(),
         }

@@ -1,4 +1,4 @@
-"""The agent's generation backend: an admission gate in front of a replaceable coordinator.
+"""An admission gate in front of a replaceable coordinator (the agent and elastic serving).
 
 The HTTP API lives as long as the agent; the coordinator behind it is replaced when the pipeline
 reconnects. The gate is where draining happens: while any reason to hold admissions is set
@@ -24,7 +24,7 @@ from mlxppd.runtime.coordinator import Coordinator
 DRAIN_RETRY_AFTER_S = 2
 
 
-class AgentBackend:
+class GatedBackend:
     def __init__(self, tokenizer: Any, model_id: str) -> None:
         self._tokenizer = tokenizer
         self._model_id = model_id

@@ -1,0 +1,333 @@
+"""Elastic repartitioning on a live three-process cluster (agents on loopback).
+
+Under a steady stream of requests an explicit repartition completes; every answer, before,
+during (after a Retry-After) and after, equals single-process mlx-lm's; a drain that times out
+ends in Failed with the old ranges serving; memory pressure fires once per cool-down.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.agent_support import VENV_BIN, AgentProcess, free_port, start_local_agent
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "List three colors.",
+    "Who wrote Hamlet?",
+    "What is 2 + 2?",
+]
+LONG = "Tell me a story about a dragon."
+
+CLUSTER = """\
+[cluster]
+name = "elastic-test"
+pipeline_parallel_size = 2
+secret_file = "{secret}"
+{extra}
+
+[cluster.elastic]
+enabled = true
+drain_timeout_s = {drain}
+pressure_fraction = {fraction}
+cool_down_s = {cool_down}
+
+[[nodes]]
+id = "coordinator"
+address = "127.0.0.1:{p0}"
+role = "hybrid"
+
+[[nodes]]
+id = "stage-0"
+address = "127.0.0.1:{p1}"
+role = "pipeline_stage"
+stage = 0
+
+[[nodes]]
+id = "stage-1"
+address = "127.0.0.1:{p2}"
+role = "pipeline_stage"
+stage = 1
+"""
+
+
+@pytest.fixture(scope="module")
+def reference(embedded_model_dir: Path) -> dict[tuple[str, int], str]:
+    from mlx_lm import generate, load
+
+    model, tokenizer = load(str(embedded_model_dir))
+    out = {}
+    for q, n in [*((q, 16) for q in QUESTIONS), (LONG, 64)]:
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True
+        )
+        out[(q, n)] = generate(model, tokenizer, prompt, max_tokens=n)
+    return out
+
+
+class Cluster:
+    def __init__(self, root: Path, config_dirs: list[Path], ports: list[int], http: int):
+        self.root, self.config_dirs, self.ports = root, config_dirs, ports
+        self.agents: list[AgentProcess] = []
+        self.url = f"http://127.0.0.1:{http}"
+        self.secret = root / "cluster.secret"
+
+    def write(self, *, drain: float = 60.0, fraction: float = 0.92, cool_down: float = 30.0,
+              extra: str = "") -> None:  # fmt: skip
+        text = CLUSTER.format(
+            secret=self.secret, extra=extra, drain=drain, fraction=fraction,
+            cool_down=cool_down, p0=self.ports[0], p1=self.ports[1], p2=self.ports[2],
+        )  # fmt: skip
+        for config_dir in self.config_dirs:
+            tmp = config_dir / "cluster.toml.tmp"
+            tmp.write_text(text)
+            os.replace(tmp, config_dir / "cluster.toml")
+
+    def ctl(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(VENV_BIN / "mlxppctl"), *args, "--config-dir", str(self.config_dirs[0])],
+            capture_output=True, text=True, timeout=timeout,
+        )  # fmt: skip
+
+    def status(self) -> dict[str, Any]:
+        done = self.ctl("status", "--json")
+        assert done.returncode in (0, 1), done.stderr
+        document: dict[str, Any] = json.loads(done.stdout)
+        return document
+
+    def wait_status(self, predicate: Any, timeout: float = 120) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            document = self.status()
+            if predicate(document):
+                return document
+            if time.monotonic() > deadline:
+                raise AssertionError(f"status never matched: {json.dumps(document)[:3000]}")
+            time.sleep(0.3)
+
+    def chat(self, question: str, max_tokens: int = 16) -> httpx.Response:
+        body = {
+            "messages": [{"role": "user", "content": question}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+        }
+        return httpx.post(f"{self.url}/v1/chat/completions", json=body, timeout=300)
+
+    def metric(self, name: str, **labels: str) -> float:
+        """A sample's value from the coordinator's /metrics (0 when not exported yet)."""
+        text = httpx.get(f"{self.url}/metrics", timeout=30).text
+        for line in text.splitlines():
+            if line.startswith(f"{name}{{") and all(
+                f'{k}="{v}"' in line for k, v in labels.items()
+            ):
+                return float(line.split()[-1])
+        return 0.0
+
+
+def answer_of(response: httpx.Response) -> str:
+    assert response.status_code == 200, response.text
+    return str(response.json()["choices"][0]["message"]["content"])
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    tmp_path_factory: pytest.TempPathFactory, embedded_model_dir: Path, model_cache: Path
+) -> Iterator[Cluster]:
+    root = tmp_path_factory.mktemp("elastic")
+    (root / "cluster.secret").write_text("elastic-test-secret-0123456789abcdef\n")
+    (root / "cluster.secret").chmod(0o600)
+    ports = [free_port() for _ in range(3)]
+    http = free_port()
+    env = {**os.environ, "MLXPP_MODEL_CACHE": str(model_cache), "HF_HUB_OFFLINE": "1"}
+    nodes = ("coordinator", "stage-0", "stage-1")
+    running = Cluster(root, [root / node for node in nodes], ports, http)
+    try:
+        for node, etc in zip(nodes, running.config_dirs, strict=True):
+            etc.mkdir()
+            (etc / "mlxppd.toml").write_text(
+                f'node_id = "{node}"\nhttp_port = {http}\nreconcile_interval_s = 1.0\n'
+            )
+        running.write()
+        # Stages first; the coordinator connects to them.
+        started = {i: start_local_agent(running.config_dirs[i], env) for i in (2, 1, 0)}
+        running.agents = [started[i] for i in range(3)]
+        for agent in running.agents:
+            try:
+                agent.notify.wait_for("READY", timeout=300)
+            except AssertionError:
+                raise AssertionError(agent.log()[-4000:]) from None
+        yield running
+    finally:
+        for agent in running.agents:
+            agent.stop(timeout=30)
+
+
+def test_explicit_repartition_under_steady_load(
+    cluster: Cluster, reference: dict[tuple[str, int], str]
+) -> None:
+    stop = threading.Event()
+    answers: list[tuple[str, str]] = []
+    refused: list[str] = []
+    errors: list[str] = []
+
+    def client(offset: int) -> None:
+        i = offset
+        while not stop.is_set():
+            question = QUESTIONS[i % len(QUESTIONS)]
+            response = cluster.chat(question)
+            if response.status_code == 503:
+                # A refusal during the drain: retry the same request after Retry-After.
+                refused.append(response.json()["error"]["code"])
+                time.sleep(float(response.headers["Retry-After"]))
+                continue
+            if response.status_code != 200:
+                errors.append(response.text)
+                return
+            answers.append((question, answer_of(response)))
+            i += 1
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        while len(answers) < 3 and not errors:
+            time.sleep(0.2)
+        before = len(answers)
+        done = cluster.ctl("repartition", "--pp-layers", "0-9,10-29", "--wait")
+        assert done.returncode == 0, done.stdout + done.stderr
+        lines = done.stdout.splitlines()
+        assert lines[0] == "repartition accepted: draining"
+        assert [line.split(" (")[0] for line in lines[1:]] == [
+            "idle -> draining",
+            "draining -> rebalancing",
+            "rebalancing -> resuming",
+            "resuming -> idle",
+        ]
+        assert "layers in force 0-9,10-29" in lines[-1]
+        deadline = time.monotonic() + 120
+        while len(answers) < before + 6 and not errors and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(300)
+    assert not errors, errors
+    assert len(answers) >= before + 6
+    for question, text in answers:
+        assert text == reference[(question, 16)], (question, text)
+    assert refused and set(refused) <= {"admission_closed"}, refused
+
+    document = cluster.status()
+    assert [s["layers"] for s in document["stages"]] == ["0-9", "10-29"]
+    assert document["coordinator"]["elastic_state"] == "idle"
+    event = document["coordinator"]["last_repartition_event"]
+    assert (event["outcome"], event["trigger"]) == ("completed", "explicit")
+    loads = document["coordinator"]["last_repartition_loads"]
+    # Stage 0 only dropped layers 10-14: it read nothing. Stage 1 read only layers 10-14.
+    assert loads[0]["loaded_tensors"] == 0
+    per_layer = loads[1]["loaded_tensors"] // 5
+    assert loads[1]["loaded_tensors"] == 5 * per_layer > 0
+    assert loads[1]["reused_tensors"] > loads[1]["loaded_tensors"]
+    assert (
+        cluster.metric("mlxpp_pp_repartition_events_total", trigger="explicit", outcome="completed")
+        == 1.0
+    )
+
+
+def test_the_partitioner_plans_when_no_layers_are_given(
+    cluster: Cluster, reference: dict[tuple[str, int], str]
+) -> None:
+    done = cluster.ctl("repartition", "--wait")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "layers in force 0-14,15-29" in done.stdout.splitlines()[-1]
+    assert answer_of(cluster.chat(QUESTIONS[0])) == reference[(QUESTIONS[0], 16)]
+
+
+def test_a_bad_plan_is_refused_before_anything_drains(cluster: Cluster) -> None:
+    done = cluster.ctl("repartition", "--pp-layers", "0-40,41-50")
+    assert done.returncode == 1
+    assert "refused (invalid_plan)" in done.stderr and "30 layers" in done.stderr
+    assert cluster.status()["coordinator"]["elastic_state"] == "idle"
+
+
+def test_drain_timeout_fails_and_the_old_ranges_keep_serving(
+    cluster: Cluster, reference: dict[tuple[str, int], str]
+) -> None:
+    cluster.write(drain=1.0)
+    time.sleep(3)  # the agents pick the new policy up (reconcile_interval_s = 1)
+    result: dict[str, Any] = {}
+    long = threading.Thread(target=lambda: result.update(r=cluster.chat(LONG, 64)))
+    long.start()
+    cluster.wait_status(lambda d: any(s["in_flight"] for s in d["stages"]), timeout=60)
+    done = cluster.ctl("repartition", "--pp-layers", "0-4,5-29", "--wait")
+    long.join(300)
+    assert done.returncode == 1, done.stdout
+    last = done.stdout.splitlines()[-1]
+    assert last.startswith("draining -> failed (aborted)"), last
+    assert "layers in force 0-14,15-29" in last and "drain_timeout_s" in last
+    # The long request was never cut off, and the old ranges still answer.
+    assert answer_of(result["r"]) == reference[(LONG, 64)]
+    document = cluster.status()
+    assert document["coordinator"]["elastic_state"] == "failed"
+    assert [s["layers"] for s in document["stages"]] == ["0-14", "15-29"]
+    assert document["coordinator"]["admission"] == "open"
+    assert answer_of(cluster.chat(QUESTIONS[1])) == reference[(QUESTIONS[1], 16)]
+    # Only an explicit trigger leaves Failed.
+    cluster.write(drain=60.0)
+    time.sleep(3)
+    assert cluster.ctl("repartition", "--wait").returncode == 0
+
+
+def test_memory_pressure_fires_once_per_cool_down(
+    cluster: Cluster, reference: dict[tuple[str, int], str]
+) -> None:
+    """Runs right after an explicit repartition, so the cool-down is already running."""
+    started = time.monotonic()
+    cool_down = 30.0
+    # A 64-token request fills more than half of a stage's KV budget.
+    cluster.write(fraction=0.5, cool_down=cool_down, extra="kv_budget_bytes = 4000000")
+    cluster.wait_status(
+        lambda d: all(s["kv_budget_bytes"] == 4000000 for s in d["stages"]), timeout=60
+    )
+    fired = {"trigger": "memory_pressure", "outcome": "completed"}
+
+    def fired_count() -> float:
+        return cluster.metric("mlxpp_pp_repartition_events_total", **fired)
+
+    # Pressure within the cool-down of the last repartition: nothing fires.
+    assert answer_of(cluster.chat(LONG, 64)) == reference[(LONG, 64)]
+    assert time.monotonic() - started < cool_down, "too slow to test inside the cool-down"
+    time.sleep(1.5)
+    assert fired_count() == 0.0
+    assert "waits for the cool-down" in cluster.agents[0].log()
+
+    # After the cool-down the same pressure fires, once.
+    time.sleep(max(0.0, cool_down + 1.0 - (time.monotonic() - started)))
+    assert answer_of(cluster.chat(LONG, 64)) == reference[(LONG, 64)]
+    cluster.wait_status(
+        lambda d: (
+            (d["coordinator"]["last_repartition_event"] or {}).get("trigger") == "memory_pressure"
+            and d["coordinator"]["elastic_state"] == "idle"
+        ),
+        timeout=60,
+    )
+    fired_at = time.monotonic()
+    assert fired_count() == 1.0
+
+    # And not again within the next cool-down.
+    assert answer_of(cluster.chat(LONG, 64)) == reference[(LONG, 64)]
+    assert time.monotonic() - fired_at < cool_down, "too slow to test inside the cool-down"
+    time.sleep(1.5)
+    assert fired_count() == 1.0
