@@ -101,6 +101,7 @@ class NotifySocket:
     def __init__(self, path: Path):
         self.path = path
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        path.unlink(missing_ok=True)  # a restarted agent's socket replaces the old one
         self.sock.bind(str(path))
         self.messages: list[dict[str, str]] = []
 

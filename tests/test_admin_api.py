@@ -8,6 +8,7 @@ never touch. ``AdminServer`` is shared with test_ctl_admin.py.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
 import time
@@ -52,6 +53,8 @@ class ScriptedCluster:
         self.admission = "open"
         self.in_flight = 3
         self.fail_with: Exception | None = None
+        self.elastic_state = "idle"
+        self.triggers: list[tuple[list[int | None] | None, str | None]] = []
         self.stages: list[dict[str, Any]] = [
             {
                 "stage": i,
@@ -98,6 +101,19 @@ class ScriptedCluster:
     async def resume(self) -> dict[str, Any]:
         self.admission = "open"
         return {"admission": "open"}
+
+    async def repartition(
+        self, stage_memory: list[int | None] | None, pp_layers: str | None
+    ) -> dict[str, Any]:
+        self.triggers.append((stage_memory, pp_layers))
+        if self.elastic_state != "idle":
+            return {"accepted": False, "reason": "busy", "message": "a repartition is running"}
+        self.elastic_state = "draining"
+        return {"accepted": True, "state": "draining", "seq": 0}
+
+    async def events(self, after: int) -> dict[str, Any]:
+        events = [{"seq": 0, "from": "idle", "to": "draining", "outcome": "progress"}]
+        return {"state": self.elastic_state, "events": [e for e in events if e["seq"] > after]}
 
 
 class AdminServer:
@@ -324,3 +340,41 @@ def test_an_admin_signature_does_not_open_openai_routes(server: AdminServer) -> 
     )
     assert status == 200
     assert body["data"][0]["id"] == "idle-model"
+
+
+# --- elastic repartition routes ---
+
+
+def test_a_repartition_trigger_carries_its_plan_and_a_second_one_is_409(
+    server: AdminServer,
+) -> None:
+    body = json.dumps({"stage_memory": [8 << 30, None], "pp_layers": "0-9,10-29"}).encode()
+    status, _, reply = signed(server.url, "POST", "/admin/v1/repartition", body=body)
+    assert (status, reply["accepted"]) == (202, True)
+    status, _, reply = signed(server.url, "POST", "/admin/v1/repartition", body=b"{}")
+    assert (status, reply["reason"]) == (409, "busy")
+    assert server.controller.triggers == [([8 << 30, None], "0-9,10-29"), (None, None)]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b'{"stage_memry": [1]}', b'{"pp_layers": 7}', b"not json", b'{"stage_memory": [-1, "x"]}'],
+)
+def test_a_malformed_repartition_body_is_400(server: AdminServer, body: bytes) -> None:
+    status, _, reply = signed(server.url, "POST", "/admin/v1/repartition", body=body)
+    assert status == 400, reply
+    assert reply["error"]["code"] == "invalid_repartition_request"
+    assert server.controller.triggers == []
+
+
+def test_events_after_a_sequence_number(server: AdminServer) -> None:
+    status, _, reply = signed(server.url, "GET", "/admin/v1/repartition/events?after=-1")
+    assert status == 200 and [e["seq"] for e in reply["events"]] == [0]
+    _, _, reply = signed(server.url, "GET", "/admin/v1/repartition/events?after=0")
+    assert reply["events"] == []
+
+
+def test_a_repartition_trigger_needs_a_signature(server: AdminServer) -> None:
+    status, _, _ = request(server.url, "POST", "/admin/v1/repartition", raw=b"{}", timeout=30)
+    assert status == 401
+    assert server.controller.triggers == []

@@ -81,6 +81,7 @@ class Cluster:
     def __init__(self, root: Path, config_dirs: list[Path], ports: list[int], http: int):
         self.root, self.config_dirs, self.ports = root, config_dirs, ports
         self.agents: list[AgentProcess] = []
+        self.env: dict[str, str] = {}
         self.url = f"http://127.0.0.1:{http}"
         self.secret = root / "cluster.secret"
 
@@ -153,6 +154,7 @@ def cluster(
     env = {**os.environ, "MLXPP_MODEL_CACHE": str(model_cache), "HF_HUB_OFFLINE": "1"}
     nodes = ("coordinator", "stage-0", "stage-1")
     running = Cluster(root, [root / node for node in nodes], ports, http)
+    running.env = env
     try:
         for node, etc in zip(nodes, running.config_dirs, strict=True):
             etc.mkdir()
@@ -331,3 +333,54 @@ def test_memory_pressure_fires_once_per_cool_down(
     assert time.monotonic() - fired_at < cool_down, "too slow to test inside the cool-down"
     time.sleep(1.5)
     assert fired_count() == 1.0
+
+
+def test_a_restarted_stage_brings_the_cluster_back_to_the_files_ranges(
+    cluster: Cluster, reference: dict[tuple[str, int], str]
+) -> None:
+    done = cluster.ctl("repartition", "--pp-layers", "0-19,20-29", "--wait")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert cluster.agents[2].stop(timeout=60) == 0
+    cluster.agents[2] = start_local_agent(cluster.config_dirs[2], cluster.env)
+    cluster.agents[2].notify.wait_for("READY", timeout=300)
+    # The coordinator reconnects and moves stage 0 back to the file's 0-14 before admitting.
+    cluster.wait_status(
+        lambda d: (
+            [s["layers"] for s in d["stages"]] == ["0-14", "15-29"] and d["health"] == "healthy"
+        ),
+        timeout=120,
+    )
+    assert "moved the stages back to the planned layers" in cluster.agents[0].log()
+    assert answer_of(cluster.chat(QUESTIONS[3])) == reference[(QUESTIONS[3], 16)]
+
+
+def test_serve_local_cluster_with_enable_elastic_pp(
+    tmp_path: Path, model_cache: Path, reference: dict[tuple[str, int], str]
+) -> None:
+    """The spec's flags on `mlxppd serve`: the coordinator of a --pp-size cluster repartitions
+    when asked through its admin API (signed with the local cluster's fresh secret)."""
+    import re
+
+    from tests.cluster_support import start_cluster
+
+    env = {**os.environ, "MLXPP_MODEL_CACHE": str(model_cache), "HF_HUB_OFFLINE": "1"}
+    running = start_cluster(
+        tmp_path, env, "--pp-size", "2", "--enable-elastic-pp", "--elastic-pp-drain-timeout", "30"
+    )
+    try:
+        found = re.search(r"--cluster-secret-file (\S+?)`", running.log())
+        assert found, running.log()
+        target = ["--url", running.url, "--cluster-secret-file", found.group(1)]
+        done = subprocess.run(
+            [str(VENV_BIN / "mlxppctl"), "repartition", "--pp-layers", "0-19,20-29", "--wait",
+             *target],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "layers in force 0-19,20-29" in done.stdout
+        body = {"messages": [{"role": "user", "content": QUESTIONS[2]}], "max_tokens": 16,
+                "temperature": 0}  # fmt: skip
+        response = httpx.post(f"{running.url}/v1/chat/completions", json=body, timeout=300)
+        assert answer_of(response) == reference[(QUESTIONS[2], 16)]
+    finally:
+        assert running.stop() == 0, running.log()[-3000:]

@@ -70,8 +70,7 @@ def elastic_flags(p: argparse.ArgumentParser) -> None:
         "--elastic-pp-cool-down",
         type=float,
         metavar="S",
-        help="seconds after a repartition before memory pressure may trigger another "
-        "(default 30)",
+        help="seconds after a repartition before memory pressure may trigger another (default 30)",
     )
 
 

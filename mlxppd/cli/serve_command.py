@@ -93,6 +93,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--ready-file", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--metrics-ready-file", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--log-level", default="INFO", help="log level (default INFO)")
+    from mlxppd.cli.agent_command import elastic_flags
+
+    elastic_flags(p)
     p.set_defaults(func=run)
 
 
@@ -109,6 +112,7 @@ def exit_now(code: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from mlxppd.cli.agent_command import elastic_overrides
     from mlxppd.core.layer_ranges import parse_pp_layers
     from mlxppd.core.model_profile import profile_from_config
     from mlxppd.core.partition import balance_layers
@@ -153,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         metrics_ready_file=args.metrics_ready_file,
         trace_path=args.debug_pp_trace,
+        elastic=tuple(elastic_overrides(args).items()),
     )
 
     def sized(options: NodeOptions, stages: int) -> NodeOptions:

@@ -10,10 +10,13 @@ this module only decides what is allowed and records it.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from pydantic import ValidationError
+
 from mlxppd.core.cluster_config import ElasticPolicy
+from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.layer_ranges import LayerRange
 
 __all__ = [
@@ -27,6 +30,7 @@ __all__ = [
     "drained",
     "fail",
     "planned",
+    "policy_with",
     "pressured_stage",
     "resumed",
 ]
@@ -222,3 +226,24 @@ def pressured_stage(usage: Sequence[tuple[int, int, int | None]], fraction: floa
         if budget and used >= fraction * budget:
             return stage
     return None
+
+
+_FLAGS = {
+    "enabled": "--enable-elastic-pp",
+    "drain_timeout_s": "--elastic-pp-drain-timeout",
+    "pressure_fraction": "--elastic-pp-pressure-fraction",
+    "cool_down_s": "--elastic-pp-cool-down",
+}
+
+
+def policy_with(policy: ElasticPolicy, overrides: Mapping[str, object]) -> ElasticPolicy:
+    """``[cluster.elastic]`` with the command line's elastic flags (None: not given) on top."""
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if not given:
+        return policy
+    try:
+        return ElasticPolicy.model_validate({**policy.model_dump(), **given})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        flag = _FLAGS.get(str(first["loc"][0]), str(first["loc"][0]))
+        raise ConfigurationError(str(first["msg"]), source=flag) from None

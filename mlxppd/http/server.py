@@ -10,21 +10,36 @@ import asyncio
 import contextlib
 import logging
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mlxppd.core.agent_plan import StageAddress
+from mlxppd.core.elastic import policy_with
 from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.layer_ranges import LayerRange
+from mlxppd.core.model_profile import profile_from_config
 from mlxppd.engine.families import family_for
-from mlxppd.engine.model_files import read_config
+from mlxppd.engine.model_files import read_config, resolve_model_dir
+from mlxppd.http.admin_api import AdminApi
 from mlxppd.http.openai_api import create_app, create_metrics_app
+from mlxppd.runtime.agent_status import CoordinatorAdmin, CoordinatorView
 from mlxppd.runtime.backend import GenerationBackend
+from mlxppd.runtime.elastic_driver import ElasticDriver
+from mlxppd.runtime.gated_backend import GatedBackend
 from mlxppd.runtime.inprocess_backend import InProcessBackend
 from mlxppd.runtime.local_cluster import LocalCluster
 from mlxppd.runtime.metrics import PipelineMetrics
 from mlxppd.runtime.mlx_thread import MlxThread
-from mlxppd.runtime.serve import NodeOptions, start_coordinator, stop_event, write_ready
+from mlxppd.runtime.serve import (
+    NodeOptions,
+    load_node_cluster,
+    start_coordinator,
+    stop_event,
+    write_ready,
+)
+from mlxppd.wire.admin_auth import AdminVerifier, admin_key
 
 log = logging.getLogger("mlxppd.serve")
 
@@ -34,6 +49,7 @@ async def serve_http(
     options: NodeOptions,
     on_ready: Callable[[str], None] | None = None,
     stop: asyncio.Event | None = None,
+    admin: AdminApi | None = None,
 ) -> None:
     from aiohttp import web
 
@@ -43,6 +59,7 @@ async def serve_http(
         api_key=options.api_key,
         alias=options.alias,
         metrics=metrics if options.metrics else None,
+        admin=admin,
     )
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
@@ -79,18 +96,68 @@ def _bound_port(site: Any, asked: int) -> int:
 
 
 async def run_coordinator_node(options: NodeOptions) -> int:
+    """The coordinator of a cluster: the OpenAI API, the admin API (status, drain, resume,
+    elastic repartition) and, when enabled, the elastic driver with its pressure watch."""
+    cluster, secret = load_node_cluster(options)
+    policy = policy_with(cluster.cluster.elastic, dict(options.elastic))
     coordinator = await start_coordinator(options)
+    gate = GatedBackend(coordinator.tokenizer, coordinator.model_id)
+    gate.coordinator = coordinator
+    assert coordinator.plan is not None
+    model_dir = resolve_model_dir(options.model)
+    driver = ElasticDriver(
+        policy,
+        coordinator.plan,
+        profile_from_config(read_config(model_dir)),
+        gate,
+        metrics=coordinator.metrics,
+    )
+    stages = tuple(StageAddress(n.id, n.host, n.port) for n in cluster.stage_nodes())
+    http = f"{options.host}:{options.port}"
+    view = CoordinatorView(
+        cluster_name=lambda: cluster.cluster.name,
+        node_id=lambda: options.node_id,
+        gate=lambda: gate,
+        stages=lambda: stages,
+        http_address=lambda: http,
+        driver=lambda: driver,
+        last_error=lambda: coordinator.health().detail,
+    )
+    metrics = coordinator.metrics
+
+    def count_auth_failure(reason: str) -> None:
+        if metrics is not None:
+            metrics.admin_auth_failures.labels(reason=reason).inc()
+
+    admin = AdminApi(
+        CoordinatorAdmin(view),
+        AdminVerifier(admin_key(secret.key_bytes()), clock=time.time),
+        count_auth_failure,
+    )
+    if policy.enabled:
+        log.info(
+            "elastic repartitioning on: `mlxppctl repartition --url http://%s "
+            "--cluster-secret-file %s`", http, options.secret_file or "<the cluster secret>",
+        )  # fmt: skip
+    stop_watch = asyncio.Event()
+    watch = asyncio.create_task(driver.watch_pressure(stop_watch), name="elastic-pressure")
     try:
         if options.once_prompt is not None:
-            await ask_once(coordinator, options)
+            await ask_once(gate, options, admin=admin)
             return 0
-        await serve_http(coordinator, options)
+        await serve_http(gate, options, admin=admin)
         return 0
     finally:
+        stop_watch.set()
+        await driver.close()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watch
         await coordinator.close()
 
 
-async def ask_once(backend: GenerationBackend, options: NodeOptions) -> None:
+async def ask_once(
+    backend: GenerationBackend, options: NodeOptions, admin: AdminApi | None = None
+) -> None:
     """Serve HTTP, send one chat request to it, print the answer, stop (the demo / smoke test)."""
     import aiohttp
 
@@ -121,7 +188,7 @@ async def ask_once(backend: GenerationBackend, options: NodeOptions) -> None:
         print(f"POST {url}/v1/chat/completions: {options.once_prompt}", file=sys.stderr)
         tasks.append(asyncio.create_task(client(url), name="once-client"))
 
-    await serve_http(backend, options, on_ready=on_ready, stop=stop)
+    await serve_http(backend, options, on_ready=on_ready, stop=stop, admin=admin)
     for task in tasks:
         with contextlib.suppress(asyncio.CancelledError):
             await task
@@ -132,6 +199,12 @@ async def ask_once(backend: GenerationBackend, options: NodeOptions) -> None:
 
 async def run_inprocess(options: NodeOptions, model_dir: Path) -> int:
     """Every stage in this process (no cluster): the same HTTP API over one process."""
+    if any(value for _, value in options.elastic):
+        raise ConfigurationError(
+            "elastic repartitioning moves layers between stage processes; add --pp-size 2 "
+            "(or more) or --distributed-config",
+            source="--enable-elastic-pp",
+        )
     if options.metrics or options.metrics_port is not None or options.trace_path is not None:
         # Stage metrics and traces come from stage workers; say so rather than serve nothing.
         raise ConfigurationError(

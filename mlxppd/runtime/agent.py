@@ -18,12 +18,11 @@ from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
 from mlxppd.core.agent_desired import config_generation, desired_state, match_node
 from mlxppd.core.agent_plan import CoordinatorTarget, DesiredState, plan
 from mlxppd.core.agent_settings import CLUSTER_FILE, HOST_FILE, HostSettings, load_host_settings
-from mlxppd.core.cluster_config import ElasticPolicy, parse_cluster_config
+from mlxppd.core.cluster_config import parse_cluster_config
+from mlxppd.core.elastic import policy_with
 from mlxppd.core.errors import ConfigurationError, MlxppError
 from mlxppd.engine.model_files import read_config, resolve_model_dir
 from mlxppd.engine.tokenizer import load_tokenizer
@@ -67,15 +66,9 @@ def load_configuration(
     except UnicodeDecodeError:
         raise ConfigurationError("the cluster TOML is not UTF-8 text", source=str(path)) from None
     cluster = parse_cluster_config(text, str(path))
-    flags = {k: v for k, v in (elastic or {}).items() if v is not None}
-    if flags:
+    policy = policy_with(cluster.cluster.elastic, elastic or {})
+    if policy != cluster.cluster.elastic:
         # --enable-elastic-pp and --elastic-pp-* win over [cluster.elastic].
-        try:
-            policy = ElasticPolicy.model_validate({**cluster.cluster.elastic.model_dump(), **flags})
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            flag = "--elastic-pp-" + str(first["loc"][0]).replace("_", "-")
-            raise ConfigurationError(str(first["msg"]), source=flag) from None
         section = cluster.cluster.model_copy(update={"elastic": policy})
         cluster = cluster.model_copy(update={"cluster": section})
     secret = load_cluster_secret(

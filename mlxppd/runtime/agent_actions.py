@@ -276,7 +276,12 @@ class NodeRuntime:
             plan=target.layers,
         )
         try:
-            await coordinator.start(warmup=ctx.host.warmup)
+            await coordinator.start(warmup=False)
+            if await coordinator.align_stages():
+                # The file's ranges win over an earlier elastic repartition's.
+                log.info("coordinator: moved the stages back to the planned layers")
+            if ctx.host.warmup:
+                await coordinator.warm()
         except BaseException:
             await coordinator.close()
             raise

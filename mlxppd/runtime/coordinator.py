@@ -142,13 +142,34 @@ class Coordinator:
                     f"{reply.get('error')}"
                 )
         if warmup:
-            prompt = [int(t) for t in self._tokenizer.encode("Hello")] or [0]
-            async for _ in self.generate("warmup", prompt, SamplingParams(max_tokens=2)):
-                pass
+            await self.warm()
         self._ready = True
         if self.metrics is not None:
             self._poller = asyncio.create_task(self._poll_stages(), name="poll-stages")
         log.info("coordinator: %d stages connected and warm", len(self._links))
+
+    async def warm(self) -> None:
+        """One 2-token request through every stage (compiles kernels, proves the chain)."""
+        prompt = [int(t) for t in self._tokenizer.encode("Hello")] or [0]
+        async for _ in self.generate("warmup", prompt, SamplingParams(max_tokens=2)):
+            pass
+
+    async def align_stages(self, timeout_s: float = 600.0) -> bool:
+        """Bring every stage to ``plan`` (after a reconnect, stages may still hold the ranges
+        of an earlier elastic repartition). True when something had to move."""
+        if self.plan is None:
+            return False
+        want = [[r.start, r.end] for r in self.plan]
+        reports = await self.stage_status()
+        if [r.get("layers") for r in reports] == want:
+            return False
+        replies = await self.reassign("prepare", self.plan, timeout_s)
+        if not all(r.get("ok") for r in replies):
+            await self.reassign("abort", self.plan, 30.0)
+            errors = "; ".join(str(r.get("error")) for r in replies if not r.get("ok"))
+            raise TemporaryError(f"stages could not load the planned layers: {errors}")
+        await self.reassign("commit", self.plan, 60.0)
+        return True
 
     async def _poll_stages(self, every_s: float = 1.0) -> None:
         """Stage reports for the metrics: one scrape of the coordinator covers the cluster."""

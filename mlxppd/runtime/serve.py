@@ -27,7 +27,7 @@ from mlxppd.engine.tokenizer import load_tokenizer
 from mlxppd.runtime.coordinator import Coordinator
 from mlxppd.runtime.metrics import PipelineMetrics
 from mlxppd.runtime.mlx_thread import MlxThread
-from mlxppd.runtime.stage_loader import load_stage_runner, stage_kv_manager
+from mlxppd.runtime.stage_loader import layer_preparer, load_stage_runner, stage_kv_manager
 from mlxppd.runtime.stage_worker import StageWorker
 from mlxppd.wire.backends import create_transport, wire_config_for
 from mlxppd.wire.secret import load_cluster_secret
@@ -61,6 +61,8 @@ class NodeOptions:
     metrics_port: int | None = None
     metrics_ready_file: Path | None = None
     trace_path: Path | None = None
+    elastic: tuple[tuple[str, Any], ...] = ()
+    """the --enable-elastic-pp / --elastic-pp-* flags given, as (policy key, value) pairs"""
 
 
 def stop_event() -> asyncio.Event:
@@ -69,6 +71,11 @@ def stop_event() -> asyncio.Event:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     return stop
+
+
+def load_node_cluster(options: NodeOptions) -> tuple[ClusterConfig, Any]:
+    """The cluster TOML and the secret of a ``--distributed-config`` node."""
+    return _load_cluster(options)
 
 
 def _load_cluster(options: NodeOptions) -> tuple[ClusterConfig, Any]:
@@ -115,7 +122,9 @@ async def run_stage_node(options: NodeOptions) -> int:
         transport = create_transport(
             cluster.cluster.transport_backend, wire_config_for(cluster, node.id, secret)
         )
-        worker = StageWorker(spec, runner, kv, transport, mlx)
+        budget = options.kv_budget_bytes or cluster.cluster.kv_budget_bytes
+        prepare = layer_preparer(mlx, model_dir, config, budget, options.max_sequences)
+        worker = StageWorker(spec, runner, kv, transport, mlx, prepare_layers=prepare)
         stop = stop_event()
         address = await worker.start(node.host, node.port)
         log.info(
@@ -145,6 +154,7 @@ async def start_coordinator(options: NodeOptions) -> Coordinator:
         cluster.cluster.transport_backend, wire_config_for(cluster, node.id, secret)
     )
     model_id = options.alias or model_dir.name
+    plan = cluster_layer_plan(cluster, read_config(model_dir))
     coordinator = Coordinator(
         cluster,
         transport,
@@ -158,6 +168,7 @@ async def start_coordinator(options: NodeOptions) -> Coordinator:
             else None
         ),
         trace_path=options.trace_path,
+        plan=plan,
     )
     await coordinator.start(warmup=options.warmup)
     return coordinator

@@ -288,8 +288,10 @@ class StageWorker:
                 spec, runner, kv = self._staged
                 self._staged = None
                 await self.swap(spec, runner, kv)
+                self.elastic_state = "idle"
             else:
                 self._staged = None
+                self.elastic_state = "idle"
         except Exception as exc:  # reported to the coordinator, which aborts everywhere
             self._staged = None
             reply = {"rid": command.rid, "ok": False, "error": str(exc) or type(exc).__name__}
