@@ -50,9 +50,12 @@ class Hosts:
     addresses: list[str]
     bridge: str
 
+    _made = 0
+
     @classmethod
     def create(cls, count: int) -> Hosts:
-        tag = f"mlxpp{os.getpid() % 100000}"
+        cls._made += 1
+        tag = f"mlxpp{os.getpid() % 100000}x{cls._made}"
         bridge = f"{tag}-br"
         _ip("netns", "add", bridge)
         hosts = cls([], [], bridge)

@@ -9,6 +9,7 @@ import os
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from mlxppd.core.errors import ConfigurationError
 
@@ -96,7 +97,148 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from mlxppd.cli.agent_command import elastic_flags
 
     elastic_flags(p)
+    _zero_config_flags(p)
     p.set_defaults(func=run)
+
+
+def _zero_config_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "zero-config bring-up (no hand-written cluster TOML; see docs/zero-config.md)"
+    )
+    g.add_argument(
+        "--pp-auto",
+        type=int,
+        metavar="N",
+        help="coordinator: find N --pp-peer processes, plan N stages, push one assignment to "
+        "each, then serve (runs no stage itself)",
+    )
+    g.add_argument(
+        "--pp-peer",
+        action="store_true",
+        help="wait on --cluster-control-addr for a stage assignment from a --pp-auto "
+        "coordinator, then serve it (with --distributed-config and --node-id: use that TOML)",
+    )
+    g.add_argument(
+        "--cluster-discovery",
+        choices=["static", "mdns"],
+        default="static",
+        help="static: --cluster-peers as given; mdns: HMAC-signed UDP beacons (default static)",
+    )
+    g.add_argument("--cluster-peers", metavar="ADDR,...", help="peers' host:port, comma-separated")
+    g.add_argument(
+        "--cluster-name",
+        default="mlxpp-cluster",
+        help="cluster name in the emitted TOML; scopes beacons (default mlxpp-cluster)",
+    )
+    g.add_argument(
+        "--cluster-discovery-port",
+        type=int,
+        default=49555,
+        help="UDP port of the discovery beacons (default 49555)",
+    )
+    g.add_argument(
+        "--cluster-discovery-target",
+        default="255.255.255.255",
+        help="where a peer sends its beacons: a broadcast address or the coordinator's IP "
+        "(default 255.255.255.255)",
+    )
+    g.add_argument(
+        "--cluster-control-addr",
+        metavar="HOST:PORT",
+        help="coordinator: its address in the plan (default --host:19000); peer: where it "
+        "listens for the assignment and then serves (mdns default 0.0.0.0:0)",
+    )
+    g.add_argument(
+        "--cluster-config-out",
+        type=Path,
+        metavar="PATH",
+        help="where the cluster TOML is written (coordinator default .mlxpp/cluster.toml; "
+        "peer default .mlxpp/cluster-<node-id>.toml)",
+    )
+    g.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="with --pp-auto: plan, print the topology, write the TOML, start nothing",
+    )
+    g.add_argument(
+        "--cluster-discovery-timeout",
+        type=float,
+        default=120.0,
+        metavar="S",
+        help="seconds to wait for the peers (default 120)",
+    )
+
+
+def _zero_config(args: argparse.Namespace) -> Any:
+    from mlxppd.runtime.zero_config import ZeroConfig
+
+    peers = tuple(p.strip() for p in (args.cluster_peers or "").split(",") if p.strip())
+    return ZeroConfig(
+        num_stages=args.pp_auto,
+        discovery=args.cluster_discovery,
+        peers=peers,
+        cluster_name=args.cluster_name,
+        discovery_port=args.cluster_discovery_port,
+        discovery_target=args.cluster_discovery_target,
+        control_addr=args.cluster_control_addr,
+        config_out=args.cluster_config_out,
+        dry_run=args.dry_run,
+        discovery_timeout_s=args.cluster_discovery_timeout,
+    )
+
+
+def _check_zero_config(args: argparse.Namespace) -> None:
+    if args.pp_auto is not None:
+        if args.pp_peer:
+            raise ConfigurationError(
+                "a process is either the coordinator (--pp-auto) or a peer (--pp-peer); "
+                "drop one",
+                source="--pp-auto",
+            )
+        for flag, value in (
+            ("--distributed-config", args.distributed_config),
+            ("--pp-layers", args.pp_layers),
+            ("--pp-size", args.pp_size),
+        ):
+            if value is not None:
+                raise ConfigurationError(
+                    f"--pp-auto plans the cluster itself; drop {flag} (or drop --pp-auto to "
+                    "use your own plan)",
+                    source="--pp-auto",
+                )
+        if args.pp_auto < 2:
+            raise ConfigurationError("needs at least 2 stages", source="--pp-auto")
+        if args.cluster_discovery == "static" and not args.cluster_peers:
+            raise ConfigurationError(
+                "static discovery needs --cluster-peers HOST:PORT,... (the peers' "
+                "--cluster-control-addr), or use --cluster-discovery mdns",
+                source="--pp-auto",
+            )
+    elif args.dry_run:
+        raise ConfigurationError("--dry-run plans a --pp-auto cluster; add --pp-auto N")
+    if args.pp_peer and (args.pp_size is not None or args.pp_layers is not None):
+        raise ConfigurationError(
+            "a peer serves the stage the coordinator assigns; drop --pp-size/--pp-layers",
+            source="--pp-peer",
+        )
+
+
+async def _run_auto(options: Any, zero: Any) -> int:
+    from mlxppd.http.server import run_coordinator_node
+    from mlxppd.runtime.zero_config import coordinate
+
+    planned = await coordinate(options, zero)
+    if isinstance(planned, int):
+        return planned
+    return await run_coordinator_node(planned)
+
+
+async def _run_peer(options: Any, zero: Any) -> int:
+    from mlxppd.runtime.serve import run_stage_node
+    from mlxppd.runtime.zero_config import await_assignment
+
+    assigned = await await_assignment(options, zero)
+    return await run_stage_node(assigned)
 
 
 def exit_now(code: int) -> None:
@@ -136,6 +278,11 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigurationError("must be at least 1", source="--parallel")
     if args.max_batch_size < 1:
         raise ConfigurationError("must be at least 1", source="--max-batch-size")
+    def sized_for(options: NodeOptions, stages: int) -> NodeOptions:
+        if micro != "auto":
+            return options
+        return replace(options, micro_batch_size=suggested_micro_batch_size(args.parallel, stages))
+
     options = NodeOptions(
         model=args.model,
         cluster_file=args.distributed_config or Path("."),
@@ -160,10 +307,13 @@ def run(args: argparse.Namespace) -> int:
         elastic=tuple(elastic_overrides(args).items()),
     )
 
-    def sized(options: NodeOptions, stages: int) -> NodeOptions:
-        if micro != "auto":
-            return options
-        return replace(options, micro_batch_size=suggested_micro_batch_size(args.parallel, stages))
+    _check_zero_config(args)
+    if args.pp_auto is not None:
+        return asyncio.run(_run_auto(sized_for(options, args.pp_auto), _zero_config(args)))
+    if args.pp_peer and not (args.distributed_config and args.node_id):
+        return asyncio.run(_run_peer(options, _zero_config(args)))
+
+    sized = sized_for
 
     if args.distributed_config is not None:
         if args.pp_size is not None or args.pp_layers is not None:

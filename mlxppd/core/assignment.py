@@ -1,0 +1,137 @@
+"""Zero-config stage assignment: the messages and the peer's verdict, as pure data.
+
+The coordinator and each ``--pp-peer`` talk over the secure transport in phases:
+hello (the peer describes itself) -> offer -> accept / refuse -> commit -> activate. A peer
+starts its stage only on activate, and the coordinator activates only after every peer
+committed, so a single refusal or timeout means nothing starts anywhere.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+__all__ = [
+    "AssignmentCommand",
+    "ModelIdentity",
+    "Offer",
+    "RefusalReason",
+    "check_offer",
+    "parse_assignment",
+]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelIdentity(_Strict):
+    """What makes two hosts' checkpoints the same model."""
+
+    config_sha256: str = Field(max_length=64, description="SHA-256 of config.json's bytes")
+    files: list[tuple[str, int]] = Field(
+        max_length=4096, description="weight file names and sizes (bytes), sorted by name"
+    )
+    num_layers: int = Field(ge=1, le=1 << 20)
+
+    def differences(self, other: ModelIdentity) -> list[str]:
+        """Human-readable differences from ``other`` (empty: the same model)."""
+        out = []
+        if self.num_layers != other.num_layers:
+            out.append(f"{self.num_layers} layers here, {other.num_layers} offered")
+        if self.config_sha256 != other.config_sha256:
+            out.append("config.json differs")
+        mine, theirs = dict(self.files), dict(other.files)
+        for name in sorted(set(mine) | set(theirs)):
+            if name not in mine:
+                out.append(f"no {name} here")
+            elif name not in theirs:
+                out.append(f"{name} is not in the offered model")
+            elif mine[name] != theirs[name]:
+                out.append(f"{name} is {mine[name]} bytes here, {theirs[name]} offered")
+        return out
+
+
+class RefusalReason(enum.StrEnum):
+    MODEL_MISMATCH = "model_mismatch"
+    VERSION_MISMATCH = "version_mismatch"
+    CLUSTER_MISMATCH = "cluster_mismatch"
+    ALREADY_ASSIGNED = "already_assigned"
+    INVALID_OFFER = "invalid_offer"
+
+
+class Hello(_Strict):
+    op: Literal["hello"] = "hello"
+    rid: int = Field(ge=0)
+
+
+class Offer(_Strict):
+    op: Literal["offer"] = "offer"
+    rid: int = Field(ge=0)
+    node_id: str = Field(min_length=1, max_length=128)
+    stage: int = Field(ge=0, le=4096)
+    layers: tuple[int, int]
+    model: ModelIdentity
+    version: str = Field(max_length=64)
+    cluster: str = Field(min_length=1, max_length=256)
+    topology: str = Field(max_length=1 << 20, description="the whole cluster TOML")
+
+
+class Commit(_Strict):
+    op: Literal["commit"] = "commit"
+    rid: int = Field(ge=0)
+
+
+class Activate(_Strict):
+    op: Literal["activate"] = "activate"
+    rid: int = Field(ge=0)
+
+
+class Abort(_Strict):
+    op: Literal["abort"] = "abort"
+    rid: int = Field(ge=0)
+    reason: str = Field("", max_length=1024)
+
+
+AssignmentCommand = Hello | Offer | Commit | Activate | Abort
+_ADAPTER: TypeAdapter[AssignmentCommand] = TypeAdapter(
+    Annotated[AssignmentCommand, Field(discriminator="op")]
+)
+
+
+def parse_assignment(meta: Any) -> AssignmentCommand:
+    """A control message's metadata as its typed command (pydantic ValidationError if bad)."""
+    return _ADAPTER.validate_python(dict(meta))
+
+
+def check_offer(
+    offer: Offer, *, model: ModelIdentity, version: str, cluster: str, assigned: bool
+) -> tuple[RefusalReason, str] | None:
+    """None to accept ``offer``; otherwise the typed reason and one sentence for the logs."""
+    if assigned:
+        return RefusalReason.ALREADY_ASSIGNED, "this peer already accepted another offer"
+    if offer.version != version:
+        return (
+            RefusalReason.VERSION_MISMATCH,
+            f"mlxpp {version} here, {offer.version} on the coordinator; upgrade every host",
+        )
+    if offer.cluster != cluster:
+        return (
+            RefusalReason.CLUSTER_MISMATCH,
+            f"cluster '{cluster}' here, '{offer.cluster}' offered; check --cluster-name",
+        )
+    differences = offer.model.differences(model) if offer.model != model else []
+    if differences:
+        return (
+            RefusalReason.MODEL_MISMATCH,
+            "the offered model is not the one here: " + "; ".join(differences[:5]),
+        )
+    if (
+        offer.layers[0] < 0
+        or offer.layers[1] > model.num_layers
+        or offer.layers[0] >= offer.layers[1]
+    ):
+        return RefusalReason.INVALID_OFFER, f"layers {offer.layers} do not fit the model"
+    return None

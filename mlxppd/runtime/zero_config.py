@@ -1,0 +1,478 @@
+"""Zero-config bring-up: ``serve --pp-auto N`` plans and assigns, ``serve --pp-peer`` waits.
+
+The coordinator finds its peers (``--cluster-peers``, or signed UDP beacons), asks each to
+describe itself (hello: version, model identity, memory), plans the cluster deterministically,
+and pushes one offer per peer over the secure transport. Only when every peer accepted does it
+commit, and only when every peer committed does it activate; a peer writes the TOML it received
+and serves its stage only on activate. Both ends then run exactly the code a hand-written
+cluster TOML runs (``run_stage_node`` / ``run_coordinator_node``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from mlxppd import __version__
+from mlxppd.core.assignment import (
+    Abort,
+    Activate,
+    Commit,
+    Hello,
+    ModelIdentity,
+    Offer,
+    check_offer,
+    parse_assignment,
+)
+from mlxppd.core.cluster_config import ClusterConfig, parse_address, parse_cluster_config
+from mlxppd.core.cluster_init import (
+    PeerInfo,
+    dry_run_problems,
+    peer_notes,
+    plan_cluster,
+    sort_peers,
+    topology_summary,
+)
+from mlxppd.core.cluster_render import render_cluster_toml
+from mlxppd.core.errors import ConfigurationError, PeerRefusedError, TemporaryError
+from mlxppd.core.model_profile import profile_from_config
+from mlxppd.engine.model_files import read_config, resolve_model_dir
+from mlxppd.engine.model_identity import model_identity
+from mlxppd.runtime.serve import NodeOptions, write_ready
+from mlxppd.wire.channel import SecureChannel
+from mlxppd.wire.codec import MessageKind
+from mlxppd.wire.discovery import (
+    DiscoveryStats,
+    announce_address,
+    beacon_key,
+    collect_peers,
+    send_beacons,
+)
+from mlxppd.wire.errors import ChannelClosedError, FrameError
+from mlxppd.wire.secret import ClusterSecret, load_cluster_secret
+from mlxppd.wire.tcp import TcpTransport
+from mlxppd.wire.transport import WireConfig
+
+log = logging.getLogger("mlxppd.zeroconf")
+
+COORDINATOR_ID = "coordinator"
+PEER_ID = "peer"
+DEFAULT_CONTROL_PORT = 19000
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """The zero-config flags (spec: "Zero-Config Startup")."""
+
+    num_stages: int | None = None
+    """--pp-auto N (coordinator)"""
+    discovery: str = "static"
+    peers: tuple[str, ...] = ()
+    cluster_name: str = "mlxpp-cluster"
+    discovery_port: int = 49555
+    discovery_target: str = "255.255.255.255"
+    control_addr: str | None = None
+    config_out: Path | None = None
+    dry_run: bool = False
+    discovery_timeout_s: float = 120.0
+    """seconds to wait for peers (beacons, or static peers still starting)"""
+    reply_timeout_s: float = 60.0
+
+
+def _secret(options: NodeOptions) -> ClusterSecret:
+    return load_cluster_secret(flag_path=options.secret_file)
+
+
+def host_memory_bytes() -> int | None:
+    """Physical memory of this host (what a peer reports for planning)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+# -- the coordinator -------------------------------------------------------------------------
+
+
+class _Peer:
+    """One peer during the assignment: its channel and a request/reply helper."""
+
+    def __init__(self, address: str, channel: SecureChannel, timeout_s: float):
+        self.address, self.channel, self.timeout_s = address, channel, timeout_s
+        self._rid = 0
+
+    async def ask(self, command: dict[str, Any]) -> dict[str, Any]:
+        self._rid += 1
+        await self.channel.send(MessageKind.CONTROL, {**command, "rid": self._rid})
+        async with asyncio.timeout(self.timeout_s):
+            while True:
+                message = await self.channel.recv()
+                if message.kind is MessageKind.REPLY and message.meta.get("rid") == self._rid:
+                    return dict(message.meta)
+
+
+async def _connect(
+    transport: TcpTransport, address: str, deadline: float, retry: bool
+) -> SecureChannel:
+    host, port = parse_address(address)
+    while True:
+        try:
+            return await transport.connect(host, port)
+        except TemporaryError:
+            if not retry or time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.5)
+
+
+async def _resolve_peers(z: ZeroConfig, secret: ClusterSecret) -> list[str]:
+    if z.discovery == "static":
+        return list(z.peers)
+    assert z.num_stages is not None
+    stats = DiscoveryStats()
+    log.info(
+        "waiting up to %.0f s for %d peers' beacons on UDP port %d (cluster %s)",
+        z.discovery_timeout_s, z.num_stages, z.discovery_port, z.cluster_name,
+    )  # fmt: skip
+    beacons = await collect_peers(
+        beacon_key(secret.key_bytes()),
+        cluster_name=z.cluster_name,
+        want=z.num_stages,
+        timeout_s=z.discovery_timeout_s,
+        bind=("0.0.0.0", z.discovery_port),
+        stats=stats,
+    )
+    ignored = {k: v for k, v in stats.snapshot().items() if k != "accepted" and v}
+    if ignored:
+        log.info("ignored beacons: %s", ignored)
+    return [b.address for b in beacons]
+
+
+async def coordinate(options: NodeOptions, z: ZeroConfig, out: Any = None) -> NodeOptions | int:
+    """Plan and assign. Returns the options ``run_coordinator_node`` needs, or (dry run) an
+    exit status."""
+    out = out or sys.stdout
+    assert z.num_stages is not None
+    secret = _secret(options)
+    model_dir = resolve_model_dir(options.model)
+    identity = model_identity(model_dir)
+    profile = profile_from_config(read_config(model_dir))
+    control = z.control_addr or f"{options.host}:{DEFAULT_CONTROL_PORT}"
+    parse_address(control)
+    config_out = z.config_out or Path(".mlxpp") / "cluster.toml"
+    addresses = await _resolve_peers(z, secret)
+    transport = TcpTransport(WireConfig(z.cluster_name, COORDINATOR_ID, secret))
+    deadline = time.monotonic() + (3.0 if z.dry_run else z.discovery_timeout_s)
+    peers: list[_Peer] = []
+    infos: list[PeerInfo] = []
+    try:
+        # Duplicates are an error (sort_peers names them), not silently merged.
+        for address in [p.address for p in sort_peers([PeerInfo(a) for a in addresses])]:
+            try:
+                channel = await _connect(transport, address, deadline, retry=True)
+            except PeerRefusedError as exc:
+                # A peer that fails the handshake (another secret) is never offered anything.
+                raise PeerRefusedError(
+                    f"peer {address} refused the handshake: {exc}; it holds another cluster "
+                    "secret or --cluster-name"
+                ) from None
+            except (TemporaryError, OSError) as exc:
+                if not z.dry_run:
+                    raise TemporaryError(
+                        f"peer {address} did not answer: {exc}; check that `mlxppd serve "
+                        "--pp-peer` runs there and that its --cluster-control-addr matches"
+                    ) from None
+                infos.append(PeerInfo(address, None, reachable=False))
+                continue
+            peer = _Peer(address, channel, z.reply_timeout_s)
+            peers.append(peer)
+            hello = await peer.ask(Hello(rid=0).model_dump())
+            memory = hello.get("memory_bytes")
+            # What a peer reports is bounded before it is used (1 PiB is beyond any host).
+            valid = isinstance(memory, int) and 0 < memory < 1 << 50
+            infos.append(PeerInfo(address, memory if valid else None))
+        if z.dry_run:
+            return _dry_run(options, z, control, config_out, infos, peer_notes(infos), profile, out)
+        plan = plan_cluster(
+            name=z.cluster_name, control_addr=control, peers=infos,
+            num_stages=z.num_stages, profile=profile,
+        )  # fmt: skip
+        text = render_cluster_toml(plan)
+        await _assign(plan, text, peers, identity)
+        _write(config_out, text)
+        print(topology_summary(plan, str(config_out.resolve())), file=out, flush=True)
+        return replace(options, cluster_file=config_out, node_id=COORDINATOR_ID)
+    finally:
+        for peer in peers:
+            await peer.channel.close()
+
+
+def _dry_run(
+    options: NodeOptions, z: ZeroConfig, control: str, config_out: Path,
+    infos: list[PeerInfo], notes: list[str], profile: Any, out: Any,
+) -> int:  # fmt: skip
+    assert z.num_stages is not None
+    http = f"{options.host}:{options.port}"
+    mine = [control] + ([http] if http != control else [])
+    # Only the coordinator's own addresses: a peer on this host holds its port by right.
+    bound = [a for a in mine if _bound_here(a)]
+    problems = dry_run_problems(
+        num_stages=z.num_stages,
+        peers_resolved=len(infos),
+        control_addr=control,
+        http_addr=http,
+        bound_ports=bound,
+        discovery_port=z.discovery_port,
+    )
+    if len(infos) == z.num_stages:
+        plan = plan_cluster(
+            name=z.cluster_name, control_addr=control, peers=infos,
+            num_stages=z.num_stages, profile=profile,
+        )  # fmt: skip
+        _write(config_out, render_cluster_toml(plan))
+        print(topology_summary(plan, str(config_out.resolve()), notes), file=out, flush=True)
+    for problem in problems:
+        print(f"mlxppd: dry run: {problem}", file=sys.stderr, flush=True)
+    return 1 if problems else 0
+
+
+def _bound_here(address: str) -> bool:
+    """True when ``address`` is this host's and its TCP port is taken by another process."""
+    host, port = parse_address(address)
+    if port == 0:
+        return False
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((host, port))
+        return False
+    except OSError as exc:
+        # Not an address of this host: nothing here can conflict with it.
+        return exc.errno == 98 or "in use" in str(exc).lower()
+
+
+async def _assign(
+    plan: ClusterConfig, text: str, peers: list[_Peer], identity: ModelIdentity
+) -> None:
+    by_address = {p.address: p for p in peers}
+    ordered = [(node, by_address[node.address]) for node in plan.stage_nodes()]
+    ranges = plan.layer_plan(identity.num_layers)
+    accepted: list[_Peer] = []
+    try:
+        for node, peer in ordered:
+            assert node.stage is not None
+            r = ranges[node.stage]
+            offer = Offer(
+                rid=0, node_id=node.id, stage=node.stage, layers=(r.start, r.end),
+                model=identity, version=__version__, cluster=plan.cluster.name, topology=text,
+            )  # fmt: skip
+            verdict = await peer.ask(offer.model_dump())
+            if not verdict.get("ok"):
+                raise PeerRefusedError(
+                    f"peer {peer.address} refused stage {node.stage} "
+                    f"({verdict.get('reason')}): {verdict.get('message')}; nothing was started"
+                )
+            accepted.append(peer)
+        for _, peer in ordered:
+            reply = await peer.ask(Commit(rid=0).model_dump())
+            if not reply.get("ok"):
+                raise PeerRefusedError(f"peer {peer.address} did not commit: {reply}")
+        log.info("every peer committed; activating")
+        for _, peer in ordered:
+            reply = await peer.ask(Activate(rid=0).model_dump())
+            if not reply.get("ok"):
+                raise PeerRefusedError(f"peer {peer.address} did not activate: {reply}")
+    except BaseException as exc:
+        for peer in accepted:
+            with contextlib.suppress(Exception):
+                await peer.ask(Abort(rid=0, reason=str(exc)[:1000]).model_dump())
+        if isinstance(exc, TimeoutError | ChannelClosedError | FrameError):
+            raise TemporaryError(
+                f"the assignment did not complete ({exc or 'timeout'}); nothing was started"
+            ) from None
+        raise
+
+
+def _bind_address(text: str) -> tuple[str, int]:
+    """host:port to listen on; port 0 (any free port, announced by beacon) is allowed here."""
+    host, _, port_text = text.rpartition(":")
+    host = host.strip("[]")
+    if not host or not port_text.isdigit() or int(port_text) > 65535:
+        raise ConfigurationError(
+            f"'{text}' is not host:port (port 0: any free port)", source="--cluster-control-addr"
+        )
+    # A wildcard is fine to listen on; the peer announces its real address by beacon.
+    return host, int(port_text)
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+# -- the peer --------------------------------------------------------------------------------
+
+
+@dataclass
+class _Assignment:
+    offer: Offer
+    cluster: ClusterConfig
+    committed: bool = False
+
+
+class PeerServer:
+    """Waits for an assignment; ``activated`` carries (cluster file, node id) once it came."""
+
+    def __init__(
+        self, options: NodeOptions, z: ZeroConfig, identity: ModelIdentity, address: str
+    ) -> None:
+        self.options, self.z, self.identity = options, z, identity
+        self.address = address
+        self.activated: asyncio.Future[tuple[Path, str]] = (
+            asyncio.get_running_loop().create_future()
+        )
+        self._pending: _Assignment | None = None
+
+    async def handle(self, channel: SecureChannel) -> None:
+        try:
+            async for message in channel:
+                if message.kind is not MessageKind.CONTROL:
+                    break
+                reply = self._answer(message.meta)
+                await channel.send(MessageKind.REPLY, reply)
+        except (ChannelClosedError, FrameError):
+            pass
+        finally:
+            await channel.close()
+            if self._pending is not None and not self.activated.done():
+                # The coordinator went away before activating: forget its offer.
+                log.info("the coordinator left before activating; waiting for a new one")
+                self._pending = None
+
+    def _answer(self, meta: Any) -> dict[str, Any]:
+        try:
+            command = parse_assignment(meta)
+        except ValueError as exc:
+            return {"rid": int(meta.get("rid", 0)), "ok": False, "reason": "invalid_offer",
+                    "message": str(exc)[:500]}  # fmt: skip
+        rid = command.rid
+        if isinstance(command, Hello):
+            return {
+                "rid": rid, "ok": True, "version": __version__, "cluster": self.z.cluster_name,
+                "model": self.identity.model_dump(), "memory_bytes": host_memory_bytes(),
+                "address": self.address,
+            }  # fmt: skip
+        if isinstance(command, Offer):
+            return {"rid": rid, **self._offer(command)}
+        if isinstance(command, Abort):
+            log.warning("the coordinator aborted the assignment: %s", command.reason)
+            self._pending = None
+            return {"rid": rid, "ok": True}
+        if self._pending is None:
+            return {"rid": rid, "ok": False, "reason": "invalid_offer", "message": "no offer"}
+        if isinstance(command, Commit):
+            self._pending.committed = True
+            return {"rid": rid, "ok": True}
+        assert isinstance(command, Activate)
+        if not self._pending.committed:
+            return {"rid": rid, "ok": False, "reason": "invalid_offer", "message": "not committed"}
+        offer = self._pending.offer
+        path = self.z.config_out or Path(".mlxpp") / f"cluster-{offer.node_id}.toml"
+        _write(path, offer.topology)
+        if not self.activated.done():
+            self.activated.set_result((path, offer.node_id))
+        return {"rid": rid, "ok": True}
+
+    def _offer(self, offer: Offer) -> dict[str, Any]:
+        refusal = check_offer(
+            offer, model=self.identity, version=__version__, cluster=self.z.cluster_name,
+            assigned=self._pending is not None or self.activated.done(),
+        )  # fmt: skip
+        cluster: ClusterConfig | None = None
+        if refusal is None:
+            try:
+                cluster = parse_cluster_config(offer.topology, "the offered cluster TOML")
+                node = cluster.find_node(offer.node_id)
+                if node is None or node.stage != offer.stage:
+                    raise ConfigurationError(f"node {offer.node_id} is not stage {offer.stage}")
+                if node.port != parse_address(self.address)[1]:
+                    raise ConfigurationError(f"{node.address} is not this peer ({self.address})")
+            except ConfigurationError as exc:
+                return {"ok": False, "reason": "invalid_offer", "message": str(exc)}
+        if refusal is not None:
+            reason, message = refusal
+            log.error("refusing stage %d: %s", offer.stage, message)
+            return {"ok": False, "reason": str(reason), "message": message}
+        assert cluster is not None
+        self._pending = _Assignment(offer, cluster)
+        log.info("accepted stage %d (layers %d-%d)", offer.stage, offer.layers[0],
+                 offer.layers[1] - 1)  # fmt: skip
+        return {"ok": True}
+
+
+async def await_assignment(options: NodeOptions, z: ZeroConfig) -> NodeOptions:
+    """Listen on the control address until activated; the options of the assigned stage."""
+    secret = _secret(options)
+    model_dir = resolve_model_dir(options.model)
+    identity = model_identity(model_dir)
+    default = "0.0.0.0:0" if z.discovery == "mdns" else None
+    control = z.control_addr or default
+    if control is None:
+        raise ConfigurationError(
+            "a --pp-peer with static discovery needs --cluster-control-addr HOST:PORT, the "
+            "address the coordinator's --cluster-peers names for this peer",
+            source="--cluster-control-addr",
+        )
+    host, port = _bind_address(control)
+    transport = TcpTransport(
+        WireConfig(z.cluster_name, PEER_ID, secret, allowed_peers=frozenset({COORDINATOR_ID}))
+    )
+    server: PeerServer | None = None
+
+    async def handle(channel: SecureChannel) -> None:
+        assert server is not None
+        await server.handle(channel)
+
+    listener = await transport.listen(host, port, handle)
+    bound_port = listener.address[1]
+    address = (
+        announce_address(host, bound_port, z.discovery_target)
+        if z.discovery == "mdns"
+        else f"{host}:{bound_port}"
+    )
+    server = PeerServer(options, z, identity, address)
+    stop_beacons = asyncio.Event()
+    beacons = None
+    if z.discovery == "mdns":
+        beacons = asyncio.create_task(
+            send_beacons(
+                beacon_key(secret.key_bytes()),
+                cluster_name=z.cluster_name,
+                address=address,
+                target=(z.discovery_target, z.discovery_port),
+                interval_s=1.0,
+                stop=stop_beacons,
+            ),  # fmt: skip
+            name="beacons",
+        )
+    log.info("peer %s waiting for its stage assignment (cluster %s)", address, z.cluster_name)
+    write_ready(options.ready_file, f"{address}\n")
+    try:
+        path, node_id = await server.activated
+    finally:
+        stop_beacons.set()
+        if beacons is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await beacons
+        await listener.close()
+    log.info("activated as %s; the cluster TOML is at %s", node_id, path)
+    return replace(options, cluster_file=path, node_id=node_id, ready_file=None)
