@@ -191,8 +191,7 @@ def _check_zero_config(args: argparse.Namespace) -> None:
     if args.pp_auto is not None:
         if args.pp_peer:
             raise ConfigurationError(
-                "a process is either the coordinator (--pp-auto) or a peer (--pp-peer); "
-                "drop one",
+                "a process is either the coordinator (--pp-auto) or a peer (--pp-peer); drop one",
                 source="--pp-auto",
             )
         for flag, value in (
@@ -278,6 +277,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigurationError("must be at least 1", source="--parallel")
     if args.max_batch_size < 1:
         raise ConfigurationError("must be at least 1", source="--max-batch-size")
+
     def sized_for(options: NodeOptions, stages: int) -> NodeOptions:
         if micro != "auto":
             return options
