@@ -243,3 +243,27 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def node_tables(coordinator: str, stage0: str, stage1: str) -> str:
+    """The [[nodes]] of a two-stage cluster TOML at these host:port addresses."""
+    return (
+        f'[[nodes]]\nid = "coordinator"\naddress = "{coordinator}"\nrole = "hybrid"\n\n'
+        f'[[nodes]]\nid = "stage-0"\naddress = "{stage0}"\nrole = "pipeline_stage"\nstage = 0\n\n'
+        f'[[nodes]]\nid = "stage-1"\naddress = "{stage1}"\nrole = "pipeline_stage"\nstage = 1\n'
+    )
+
+
+def wait_for_status(
+    read: Any, predicate: Any, timeout: float, describe: Any = None
+) -> dict[str, Any]:
+    """Poll ``read()`` (a status document) until ``predicate`` holds; fail with the last one."""
+    deadline = time.monotonic() + timeout
+    while True:
+        document: dict[str, Any] = read()
+        if predicate(document):
+            return document
+        if time.monotonic() > deadline:
+            extra = describe() if describe is not None else ""
+            raise AssertionError(f"status never matched: {json.dumps(document)[:3000]}\n{extra}")
+        time.sleep(0.3)

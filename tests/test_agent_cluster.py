@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,9 @@ from tests.agent_support import (
     Hosts,
     in_host_python,
     netns_unavailable,
+    node_tables,
     start_agent,
+    wait_for_status,
 )
 
 pytestmark = pytest.mark.slow
@@ -42,22 +43,6 @@ pipeline_parallel_size = 2
 secret_file = "{secret}"
 {layers}
 
-[[nodes]]
-id = "coordinator"
-address = "{a0}:19000"
-role = "hybrid"
-
-[[nodes]]
-id = "stage-0"
-address = "{a1}:19001"
-role = "pipeline_stage"
-stage = 0
-
-[[nodes]]
-id = "stage-1"
-address = "{a2}:19001"
-role = "pipeline_stage"
-stage = 1
 """
 
 
@@ -106,20 +91,16 @@ class Cluster:
         return document
 
     def wait_status(self, predicate: Any, timeout: float = 180) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while True:
-            document = self.status()
-            if predicate(document):
-                return document
-            if time.monotonic() > deadline:
-                logs = "\n".join(a.log()[-3000:] for a in self.agents)
-                raise AssertionError(f"status never matched: {document}\n{logs}")
-            time.sleep(0.5)
+        def logs() -> str:
+            return "\n".join(a.log()[-3000:] for a in self.agents)
+
+        return wait_for_status(self.status, predicate, timeout, logs)
 
 
 def cluster_text(hosts: Hosts, secret: Path, layers: str = "") -> str:
     a0, a1, a2 = hosts.addresses
-    return CLUSTER.format(secret=secret, layers=layers, a0=a0, a1=a1, a2=a2)
+    nodes = node_tables(f"{a0}:19000", f"{a1}:19001", f"{a2}:19001")
+    return CLUSTER.format(secret=secret, layers=layers) + "\n" + nodes
 
 
 @pytest.fixture(scope="module")

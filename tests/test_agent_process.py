@@ -10,42 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.agent_support import NotifySocket
+from tests.agent_support import NotifySocket, free_port, node_tables
 
 pytestmark = pytest.mark.slow
 
 MLXPPD = str(Path(sys.executable).parent / "mlxppd")
 
-CLUSTER = """\
-[cluster]
-pipeline_parallel_size = 2
-secret_file = "cluster.secret"
-
-[[nodes]]
-id = "coordinator"
-address = "127.0.0.1:{p0}"
-role = "hybrid"
-
-[[nodes]]
-id = "stage-0"
-address = "127.0.0.1:{p1}"
-role = "pipeline_stage"
-stage = 0
-
-[[nodes]]
-id = "stage-1"
-address = "127.0.0.1:{p2}"
-role = "pipeline_stage"
-stage = 1
-"""
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+CLUSTER = '[cluster]\npipeline_parallel_size = 2\nsecret_file = "cluster.secret"\n\n'
 
 
 @pytest.fixture
@@ -53,9 +24,8 @@ def config_dir(tmp_path: Path) -> Path:
     etc = tmp_path / "etc"
     etc.mkdir()
     (etc / "cluster.secret").write_text("process-test-secret-0123456789\n")
-    (etc / "cluster.toml").write_text(
-        CLUSTER.format(p0=free_port(), p1=free_port(), p2=free_port())
-    )
+    nodes = node_tables(*(f"127.0.0.1:{free_port()}" for _ in range(3)))
+    (etc / "cluster.toml").write_text(CLUSTER + nodes)
     (etc / "mlxppd.toml").write_text('node_id = "stage-1"\n')
     return etc
 

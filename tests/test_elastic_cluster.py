@@ -19,7 +19,14 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.agent_support import VENV_BIN, AgentProcess, free_port, start_local_agent
+from tests.agent_support import (
+    VENV_BIN,
+    AgentProcess,
+    free_port,
+    node_tables,
+    start_local_agent,
+    wait_for_status,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -44,22 +51,6 @@ drain_timeout_s = {drain}
 pressure_fraction = {fraction}
 cool_down_s = {cool_down}
 
-[[nodes]]
-id = "coordinator"
-address = "127.0.0.1:{p0}"
-role = "hybrid"
-
-[[nodes]]
-id = "stage-0"
-address = "127.0.0.1:{p1}"
-role = "pipeline_stage"
-stage = 0
-
-[[nodes]]
-id = "stage-1"
-address = "127.0.0.1:{p2}"
-role = "pipeline_stage"
-stage = 1
 """
 
 
@@ -88,9 +79,8 @@ class Cluster:
     def write(self, *, drain: float = 60.0, fraction: float = 0.92, cool_down: float = 30.0,
               extra: str = "") -> None:  # fmt: skip
         text = CLUSTER.format(
-            secret=self.secret, extra=extra, drain=drain, fraction=fraction,
-            cool_down=cool_down, p0=self.ports[0], p1=self.ports[1], p2=self.ports[2],
-        )  # fmt: skip
+            secret=self.secret, extra=extra, drain=drain, fraction=fraction, cool_down=cool_down,
+        ) + "\n" + node_tables(*(f"127.0.0.1:{p}" for p in self.ports))  # fmt: skip
         for config_dir in self.config_dirs:
             tmp = config_dir / "cluster.toml.tmp"
             tmp.write_text(text)
@@ -109,14 +99,7 @@ class Cluster:
         return document
 
     def wait_status(self, predicate: Any, timeout: float = 120) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while True:
-            document = self.status()
-            if predicate(document):
-                return document
-            if time.monotonic() > deadline:
-                raise AssertionError(f"status never matched: {json.dumps(document)[:3000]}")
-            time.sleep(0.3)
+        return wait_for_status(self.status, predicate, timeout)
 
     def chat(self, question: str, max_tokens: int = 16) -> httpx.Response:
         body = {
