@@ -146,6 +146,13 @@ class Agent:
             "last_reload": self.runtime.last_reload,
         }
 
+    def _secret_name(self) -> str:
+        """The secret file's name when it is configured by path (a change reloads it)."""
+        if self.context is None:
+            return ""
+        configured = self.context.host.secret_file or self.context.cluster.cluster.secret_file
+        return Path(configured).name if configured else ""
+
     def serving(self) -> bool:
         rt = self.runtime
         if rt.stage is not None:
@@ -297,8 +304,7 @@ class Agent:
         def relevant(_change: object, path: str) -> bool:
             # Only the files the agent reads: logs or sockets in the directory must not loop.
             name = Path(path).name
-            secret = self.context.secret.origin if self.context is not None else ""
-            return name in (CLUSTER_FILE, HOST_FILE) or (bool(name) and name in secret)
+            return name in (CLUSTER_FILE, HOST_FILE) or name == self._secret_name()
 
         while not stop.is_set():
             try:
