@@ -119,3 +119,16 @@ def test_agent_speaks_sd_notify(config_dir: Path, cli_env: dict[str, str], tmp_p
         notify.close()
         if process.stderr:
             process.stderr.close()
+
+
+def test_check_puts_the_model_cache_in_a_configured_state_dir(
+    config_dir: Path, cli_env: dict[str, str], tmp_path: Path
+) -> None:
+    state = tmp_path / "state"
+    (config_dir / "mlxppd.toml").write_text(
+        f'node_id = "stage-1"\nstate_dir = "{state}"\nmodel = "embedded"\n'
+    )
+    env = {k: v for k, v in cli_env.items() if k != "MLXPP_MODEL_CACHE"}
+    done = run_check(config_dir, env)
+    assert done.returncode == 0, done.stderr
+    assert f"model {state / 'models'}" in done.stdout

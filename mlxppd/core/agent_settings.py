@@ -109,7 +109,8 @@ class HostSettings(BaseSettings):
     state_dir: str = Field(
         "/var/lib/mlxpp",
         min_length=1,
-        description="Directory for this node's state (model cache, ready files).",
+        description="Directory for this node's state: when set, the model cache is its "
+        "models/ folder (MLXPP_MODEL_CACHE wins; unset: ~/.cache/mlxpp).",
     )
     parallel: int = Field(
         64, ge=1, description="Sequences the coordinator generates at once (sequences)."

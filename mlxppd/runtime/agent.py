@@ -79,7 +79,11 @@ def load_configuration(
     )
     node = match_node(cluster, host.node_id, is_local)
     if model_dir is None:
-        model_dir = resolve_model_dir(host.model)
+        # A configured state_dir holds the model cache, unless MLXPP_MODEL_CACHE says otherwise.
+        cache = None
+        if "state_dir" in host.model_fields_set and not environ.get("MLXPP_MODEL_CACHE"):
+            cache = Path(host.state_dir) / "models"
+        model_dir = resolve_model_dir(host.model, cache_dir=cache)
     config = read_config(model_dir)
     desired = desired_state(cluster, host, node, config, config_generation(raw))
     return desired, AgentContext(cluster, host, secret, model_dir, config)
