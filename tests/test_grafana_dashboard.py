@@ -53,6 +53,7 @@ _PLAIN = (
     "mlxpp_transport_handshake_failures_total",
     "mlxpp_transport_rejected_frames_total",
     "mlxpp_rdma_fallbacks_total",
+    "mlxpp_config_reload_failures_total",
 )
 
 # Every series name the metrics server exposes at /metrics, as written in the exposition format:
