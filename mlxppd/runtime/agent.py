@@ -58,7 +58,8 @@ def load_configuration(
     except OSError as exc:
         raise ConfigurationError(
             f"cannot read the cluster TOML: {exc.strerror or exc}; every host needs the same "
-            f"{CLUSTER_FILE} in its config directory",
+            f"{CLUSTER_FILE} in its config directory (--config-dir or MLXPP_CONFIG_DIR, "
+            "default /etc/mlxpp)",
             source=str(path),
         ) from None
     try:
