@@ -26,47 +26,29 @@ NUM_LAYERS = 30  # the embedded SmolLM2-135M
 START_TIMEOUT_S = 120
 
 
-class LiveServer:
-    """``LiveServer(model_dir, num_stages)``; ``start_app(**create_app_options) -> base URL``."""
+class LoopThread:
+    """An asyncio loop on its own thread serving aiohttp apps on 127.0.0.1; ``stop()`` fails
+    the test when tasks are left behind on the loop."""
 
-    def __init__(
-        self, model_dir: Path, num_stages: int = 1, kv_budget_bytes: int | None = None
-    ) -> None:
+    def __init__(self, name: str) -> None:
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="http-test-loop")
+        self._thread = threading.Thread(target=self._loop.run_forever, name=name)
         self._thread.start()
-        self.mlx = MlxThread(name="mlx-http-test")
-        self.backend = InProcessBackend(
-            model_dir,
-            even_split(NUM_LAYERS, num_stages),
-            self.mlx,
-            model_id="smollm2-135m",
-            kv_budget_bytes=kv_budget_bytes,
-        )
         self._runners: list[web.AppRunner] = []
-        try:
-            self.call(self.backend.start(), timeout=START_TIMEOUT_S)
-        except BaseException:
-            self.stop()
-            raise
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float = 60) -> T:
-        """Run a coroutine on the server's loop and wait for its result."""
+        """Run a coroutine on the loop and wait for its result."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
-    def on_mlx(self, fn: Callable[[], T], timeout: float = 300) -> T:
-        """Run ``fn`` on the server's one mlx thread (reference computations)."""
-        return self.call(self.mlx.run(fn), timeout)
+    def serve(self, app: web.Application) -> str:
+        """Serve ``app`` on a free port; its base URL."""
 
-    def start_app(self, **options: Any) -> str:
         async def start() -> str:
-            runner = web.AppRunner(create_app(self.backend, **options))
+            runner = web.AppRunner(app)
             await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
+            await web.TCPSite(runner, "127.0.0.1", 0).start()
             self._runners.append(runner)
-            port = runner.addresses[0][1]
-            return f"http://127.0.0.1:{port}"
+            return f"http://127.0.0.1:{runner.addresses[0][1]}"
 
         return self.call(start())
 
@@ -90,6 +72,40 @@ class LiveServer:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(10)
             self._loop.close()
+
+
+class LiveServer(LoopThread):
+    """``LiveServer(model_dir, num_stages)``; ``start_app(**create_app_options) -> base URL``."""
+
+    def __init__(
+        self, model_dir: Path, num_stages: int = 1, kv_budget_bytes: int | None = None
+    ) -> None:
+        super().__init__("http-test-loop")
+        self.mlx = MlxThread(name="mlx-http-test")
+        self.backend = InProcessBackend(
+            model_dir,
+            even_split(NUM_LAYERS, num_stages),
+            self.mlx,
+            model_id="smollm2-135m",
+            kv_budget_bytes=kv_budget_bytes,
+        )
+        try:
+            self.call(self.backend.start(), timeout=START_TIMEOUT_S)
+        except BaseException:
+            self.stop()
+            raise
+
+    def on_mlx(self, fn: Callable[[], T], timeout: float = 300) -> T:
+        """Run ``fn`` on the server's one mlx thread (reference computations)."""
+        return self.call(self.mlx.run(fn), timeout)
+
+    def start_app(self, **options: Any) -> str:
+        return self.serve(create_app(self.backend, **options))
+
+    def stop(self) -> None:
+        try:
+            super().stop()
+        finally:
             self.mlx.close()
 
 

@@ -7,22 +7,19 @@ never touch. ``AdminServer`` is shared with test_ctl_admin.py.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-import threading
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
 
 import pytest
-from aiohttp import web
 
 from mlxppd.http.admin_api import AdminApi
 from mlxppd.http.openai_api import create_app
 from mlxppd.runtime.backend import BackendUnavailable, Health, SamplingParams, TokenEvent
 from mlxppd.wire.admin_auth import AdminVerifier, admin_key, sign_request
-from tests.http_support import request
+from tests.http_support import LoopThread, request
 
 T = TypeVar("T")
 SECRET = b"test cluster secret, 32 bytes.."
@@ -116,7 +113,7 @@ class ScriptedCluster:
         return {"state": self.elastic_state, "events": [e for e in events if e["seq"] > after]}
 
 
-class AdminServer:
+class AdminServer(LoopThread):
     """``create_app`` with the admin API (and an OpenAI api key) on 127.0.0.1, own thread."""
 
     def __init__(
@@ -126,51 +123,18 @@ class AdminServer:
         *,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        super().__init__("admin-test-loop")
         self.controller = controller
         self.failures: list[str] = []
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="admin-test-loop")
-        self._thread.start()
-        self._runner: web.AppRunner | None = None
         admin = AdminApi(
             controller, AdminVerifier(admin_key(secret), clock=clock), self.failures.append
         )
         try:
-            self.url = self._call(self._start(admin))
+            self.url = self.serve(create_app(IdleBackend(), api_key=API_KEY, admin=admin))
         except BaseException:
             self.stop()
             raise
         self.port = int(self.url.rsplit(":", 1)[1])
-
-    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(30)
-
-    async def _start(self, admin: AdminApi) -> str:
-        app = create_app(IdleBackend(), api_key=API_KEY, admin=admin)
-        self._runner = web.AppRunner(app)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
-        return f"http://127.0.0.1:{self._runner.addresses[0][1]}"
-
-    def stop(self) -> None:
-        async def cleanup() -> None:
-            if self._runner is not None:
-                await self._runner.cleanup()
-            current = asyncio.current_task()
-            left = [t for t in asyncio.all_tasks() if t is not current and not t.done()]
-            for task in left:
-                task.cancel()
-            await asyncio.gather(*left, return_exceptions=True)
-            if left:
-                raise AssertionError(f"tasks left behind: {left}")
-
-        try:
-            if self._loop.is_running():
-                self._call(cleanup())
-        finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(10)
-            self._loop.close()
 
     def __enter__(self) -> AdminServer:
         return self
