@@ -17,6 +17,7 @@ from mlxppd.core.agent_plan import StageAddress
 from mlxppd.core.elastic import Trigger
 from mlxppd.runtime.elastic_driver import ElasticDriver
 from mlxppd.runtime.gated_backend import GatedBackend
+from mlxppd.runtime.stage_loader import configured_budget
 
 if TYPE_CHECKING:
     from mlxppd.runtime.agent import Agent
@@ -121,7 +122,6 @@ def _card(
     if report is not None and isinstance(report.get("layers"), list):
         start, end = report["layers"]
         layers = f"{start}-{end - 1}"
-    budget = report.get("kv_budget_bytes") if report else None
 
     def get(key: str) -> Any:
         return report.get(key) if report else None
@@ -135,8 +135,7 @@ def _card(
         "transport_connected": live is not None and live.link_alive(stage.node_id),
         "in_flight": get("active_sequences"),
         "kv_used_bytes": get("kv_used_bytes"),
-        # An unlimited budget is a huge sentinel on the stage; show it as null.
-        "kv_budget_bytes": budget if budget is not None and budget < 1 << 60 else None,
+        "kv_budget_bytes": configured_budget(get("kv_budget_bytes")),
         "elastic_state": get("elastic_state"),
         "config_generation": get("config_generation"),
         "last_reload_error": get("last_reload_error"),

@@ -41,6 +41,7 @@ from mlxppd.runtime.backend import BackendUnavailable
 from mlxppd.runtime.coordinator import Coordinator
 from mlxppd.runtime.gated_backend import GatedBackend
 from mlxppd.runtime.metrics import PipelineMetrics
+from mlxppd.runtime.stage_loader import configured_budget
 
 log = logging.getLogger("mlxppd.elastic")
 
@@ -142,7 +143,7 @@ class ElasticDriver:
     async def _check_pressure(self, coordinator: Coordinator, policy: ElasticPolicy) -> None:
         reports = await coordinator.stage_reports()
         usage = [
-            (int(r["stage"]), int(r["kv_used_bytes"]), _budget(r))
+            (int(r["stage"]), int(r["kv_used_bytes"]), configured_budget(r.get("kv_budget_bytes")))
             for r in reports.values()
             if r is not None
         ]
@@ -298,9 +299,3 @@ class ElasticDriver:
             m.repartition_drain_max.set(max(current, event.phase_s))
         if event.to_state in (ElasticState.IDLE, ElasticState.FAILED):
             m.repartition_total.observe(event.total_s)
-
-
-def _budget(report: dict[str, Any]) -> int | None:
-    budget = report.get("kv_budget_bytes")
-    # An unlimited budget is a huge sentinel on the stage.
-    return int(budget) if budget is not None and int(budget) < 1 << 60 else None

@@ -34,8 +34,6 @@ from mlxppd.wire.secret import load_cluster_secret
 
 log = logging.getLogger("mlxppd.serve")
 
-_UNLIMITED = 1 << 62
-
 
 @dataclass(frozen=True)
 class NodeOptions:

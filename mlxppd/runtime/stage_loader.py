@@ -19,6 +19,14 @@ from mlxppd.runtime.mlx_thread import MlxThread
 UNLIMITED_BYTES = 1 << 62
 
 
+def configured_budget(reported: object) -> int | None:
+    """A stage report's ``kv_budget_bytes`` as configured: None when it is unlimited."""
+    if reported is None:
+        return None
+    value = int(str(reported))
+    return value if value < UNLIMITED_BYTES else None
+
+
 async def load_stage_runner(
     mlx: MlxThread,
     model_dir: Path,
