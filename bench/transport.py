@@ -21,8 +21,14 @@ Method. One receiver process per transport listens on 127.0.0.1; this process se
   receives with blocking sockets (the cheapest way Python moves bytes), ``raw-asyncio`` on an
   event loop with ``recv_into`` a preallocated buffer (the cheapest way asyncio does, and the
   I/O model mlxppd runs on). The ratio to ``raw-asyncio`` is what the secure protocol costs.
-* Payloads and transports are interleaved, so a noisy neighbour slows every row alike; the
-  sender and the receivers are pinned to different CPUs.
+* Transports take turns in blocks of ``--block`` (25) messages, so a noisy neighbour slows
+  every row alike. A block, not a single message: each receiver is its own process on the same
+  CPU, and switching transports after every message lets four interpreters evict each other's
+  caches between any two messages, which costs the transports that run more Python per
+  message most (``--block 1`` shows it: about +10 µs per secure decode step here). A stage
+  process owns its connection; it does not share its CPU with three other transports.
+* The sender and the receivers are pinned to different CPUs, as stages on different hosts
+  are (the CPUs are chosen once, in the parent, before it pins itself).
 
 Goals: decode-step p50 <= 1.5x the raw baseline; prefill bandwidth >= 50% of it.
 """
@@ -262,12 +268,15 @@ def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(np.array(values), q))
 
 
-async def measure(quick: bool) -> tuple[dict[tuple[str, str], Row], str]:
+async def measure(
+    quick: bool, block: int, receiver_cpu: int | None
+) -> tuple[dict[tuple[str, str], Row], str]:
     env = dict(os.environ, MLXPP_CLUSTER_SECRET=secrets.token_hex(32))
     os.environ["MLXPP_CLUSTER_SECRET"] = env["MLXPP_CLUSTER_SECRET"]
     children = {
         b: subprocess.Popen(
-            [sys.executable, __file__, "--receive", b],
+            [sys.executable, __file__, "--receive", b]
+            + ([] if receiver_cpu is None else ["--cpu", str(receiver_cpu)]),
             stdout=subprocess.PIPE,
             text=True,
             env=env,
@@ -297,10 +306,11 @@ async def measure(quick: bool) -> tuple[dict[tuple[str, str], Row], str]:
             for _ in range(3):  # warm-up: page in buffers, grow socket windows
                 for b in BACKENDS:
                     await senders[b].latency(data)
-            # Interleave the transports message by message: drift hits them alike.
-            for _ in range(runs):
+            # Take turns in blocks: drift hits the transports alike.
+            for start in range(0, runs, block):
                 for b in BACKENDS:
-                    latencies[b].append((await senders[b].latency(data)) / 1000)
+                    for _ in range(min(block, runs - start)):
+                        latencies[b].append((await senders[b].latency(data)) / 1000)
             best = {b: float("inf") for b in BACKENDS}
             for _ in range(3):  # interleaved rounds; the best one is the least disturbed
                 for b in BACKENDS:
@@ -353,24 +363,41 @@ def render(rows: dict[tuple[str, str], Row], probe: str) -> str:
     return "\n".join(lines)
 
 
-def pin(cpu_index: int) -> None:
-    """Keep sender and receivers on different CPUs, when there are two or more.
+def cpu_pair() -> tuple[int, int] | None:
+    """The CPUs for the sender and the receivers, when this process may use two or more.
 
-    Otherwise the kernel may wake a receiver on the sender's CPU, and the receiver's work then
-    shows up as the sender's send time: the more a transport does per message, the more it
-    would be penalised twice.
+    Decided once, in the parent, before it pins itself: a child reading its own affinity after
+    that would only see the sender's CPU and share it.
     """
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    if len(cpus) >= 2:
-        os.sched_setaffinity(0, {cpus[cpu_index % len(cpus)]})
+    return (cpus[0], cpus[1]) if len(cpus) >= 2 else None
+
+
+def pin(cpu: int | None) -> None:
+    """Keep sender and receivers on different CPUs, as stages on different hosts are.
+
+    On one CPU a blocking receiver is woken by a switch on the sender's CPU, and whatever the
+    sender does after its send delays the receiver: the more a transport does per message, the
+    more it would be penalised twice.
+    """
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a fifth of the iterations")
+    parser.add_argument(
+        "--block",
+        type=int,
+        default=25,
+        help="latency messages per transport before the next one takes its turn (default 25)",
+    )
     parser.add_argument("--receive", choices=BACKENDS, help=argparse.SUPPRESS)
+    parser.add_argument("--cpu", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    pin(1 if args.receive else 0)
+    pair = None if args.receive else cpu_pair()
+    pin(args.cpu if args.receive else pair and pair[0])
     if args.receive == "raw":
         receive_raw()
         return 0
@@ -382,10 +409,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     started = time.perf_counter()
     load_before = os.getloadavg()[0]
-    rows, probe = asyncio.run(measure(args.quick))
+    rows, probe = asyncio.run(measure(args.quick, max(1, args.block), pair and pair[1]))
     print(render(rows, probe))
     print(
-        f"- run: {time.perf_counter() - started:.0f} s on {os.cpu_count()} CPUs, load average "
+        f"- run: latency in blocks of {max(1, args.block)} messages per transport; "
+        f"{time.perf_counter() - started:.0f} s on {os.cpu_count()} CPUs, load average "
         f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after (other work skews the numbers)"
     )
     return 0

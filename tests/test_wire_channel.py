@@ -121,6 +121,39 @@ def test_concurrent_senders_never_interleave_records(backend: str) -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_small_records_from_many_senders_stay_whole_when_the_socket_fills(backend: str) -> None:
+    # Decode-step records go out without yielding when the kernel takes them whole; when it
+    # does not, the sender waits its turn and the next records queue behind it, in order.
+    async def scenario() -> None:
+        server = create_transport(backend, config("server"))
+        client = create_transport(backend, config("client"))
+        async with await serve(server) as listener:
+            channel = await client.connect(*listener.address)
+            count = 600
+            payloads = [np.full(2048, i, dtype=np.int32) for i in range(count)]  # 8 KiB each
+            seen: list[int] = []
+
+            async def read_all() -> None:
+                for _ in range(count):
+                    reply = await channel.recv()
+                    assert reply.tensor is not None
+                    values = np.frombuffer(reply.tensor.data, dtype=np.int32)
+                    assert (values == reply.meta["i"]).all()
+                    seen.append(reply.meta["i"])
+
+            reader = asyncio.create_task(read_all())
+            await asyncio.gather(
+                *(channel.send(MessageKind.ACTIVATION, {"i": i}, p) for i, p in enumerate(payloads))
+            )
+            await reader
+            await channel.close()
+        assert seen == list(range(count))  # the order the sends were started in
+        assert not server.stats.rejected_frames and not client.stats.rejected_frames
+
+    run(scenario)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_closing_says_goodbye_and_the_peer_sees_a_clean_end(backend: str) -> None:
     ended: list[str] = []
 

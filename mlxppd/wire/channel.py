@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import deque
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -41,7 +42,7 @@ from mlxppd.wire.record import (
 from mlxppd.wire.stats import WireStats
 from mlxppd.wire.streams import ByteStream, StreamEOF
 
-__all__ = ["SMALL_RECORD_BYTES", "SecureChannel", "read_small_record"]
+__all__ = ["SMALL_RECORD_BYTES", "SecureChannel", "SendTurns", "read_small_record"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,54 @@ SMALL_RECORD_BYTES = 64 * 1024
 #: Plaintext bound of the records that are not messages (verdict, close).
 _CONTROL_RECORD_MAX = 1024
 _GOODBYE_TIMEOUT_S = 1.0
+
+
+class SendTurns:
+    """Whose turn it is to write a record: first come, first served.
+
+    Records must reach the wire in the order they were sealed, so one sender at a time seals
+    and writes. Unlike ``asyncio.Lock``, a free turn is taken without a coroutine, and a
+    finished turn is handed straight to the next waiter: a decode step that finds the channel
+    idle seals and sends without yielding to the loop.
+    """
+
+    __slots__ = ("_busy", "_waiters")
+
+    def __init__(self) -> None:
+        self._busy = False
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    def try_take(self) -> bool:
+        """Take the turn if nobody holds it or waits for it."""
+        if self._busy or self._waiters:
+            return False
+        self._busy = True
+        return True
+
+    async def take(self) -> None:
+        """Wait for the turn."""
+        if self.try_take():
+            return
+        turn = asyncio.get_running_loop().create_future()
+        self._waiters.append(turn)
+        try:
+            await turn
+        except BaseException:
+            if turn.done() and not turn.cancelled():
+                self.give_back()  # handed over just as this waiter was cancelled: pass it on
+            else:
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(turn)
+            raise
+
+    def give_back(self) -> None:
+        """End this turn: the next waiter's, or nobody's."""
+        while self._waiters:
+            turn = self._waiters.popleft()
+            if not turn.done():
+                turn.set_result(None)  # still busy: the turn passes directly
+                return
+        self._busy = False
 
 
 async def read_small_record(
@@ -103,7 +152,7 @@ class SecureChannel:
         self.local_node_id = local_node_id
         self.peer_node_id = peer_node_id
         self.peer_rdma_version = peer_rdma_version
-        self._send_lock = asyncio.Lock()
+        self._turns = SendTurns()
         self._receiving = False
         self._in_record = False  # a read failing now cuts a record short
         self._closed = False
@@ -130,15 +179,30 @@ class SecureChannel:
     ) -> None:
         """Send one message; ``tensor`` is a Tensor or any C-contiguous buffer (not copied)."""
         encoded = encode(kind, meta, None if tensor is None else as_tensor(tensor), self._limits)
-        async with self._send_lock:
-            self._check_open()
-            try:
-                await self._send_record(RecordType.MESSAGE, encoded.head, encoded.payload)
-            except (ConnectionError, OSError) as exc:
-                self._abort()
-                raise ChannelClosedError(
-                    f"connection to {self._describe()} lost while sending: {exc}", clean=False
-                ) from None
+        head, payload = encoded.head, encoded.payload
+        turns = self._turns
+        if not turns.try_take():
+            await turns.take()
+        try:
+            if self._closed:
+                self._check_open()
+            total = RECORD_HEADER.size + len(head) + payload.nbytes + TAG_SIZE
+            if total <= SMALL_RECORD_BYTES:  # every decode step: sealed in one call
+                stream = self._stream
+                out = stream.scratch(total)
+                self._sealer.seal_into(RecordType.MESSAGE, (head, payload), out)
+                sent = stream.write_nowait(out)
+                if sent < total:
+                    await stream.write((out[sent:],))
+            else:
+                await self._send_record(RecordType.MESSAGE, head, payload)
+        except (ConnectionError, OSError) as exc:
+            self._abort()
+            raise ChannelClosedError(
+                f"connection to {self._describe()} lost while sending: {exc}", clean=False
+            ) from None
+        finally:
+            turns.give_back()
 
     async def _send_record(self, rtype: RecordType, head: bytes, payload: memoryview) -> None:
         length = len(head) + payload.nbytes
@@ -230,8 +294,25 @@ class SecureChannel:
     async def _recv_message(self, into: object | None) -> Message:
         # Hot path of every decode step: kept flat, one await per read.
         stream = self._stream
-        header = bytes(await stream.read_exactly(RECORD_HEADER.size))
+        view = stream.read_nowait(RECORD_HEADER.size)
+        if view is None:
+            view = await stream.read_exactly(RECORD_HEADER.size)
+        header = bytes(view)
         self._in_record = True
+        rtype, reserved8, reserved16, sealed_len = RECORD_HEADER.unpack(header)
+        if (
+            rtype == RecordType.MESSAGE
+            and not reserved8
+            and not reserved16
+            and TAG_SIZE <= sealed_len <= SMALL_RECORD_BYTES - RECORD_HEADER.size
+            and sealed_len - TAG_SIZE <= self._limits.max_frame_bytes
+        ):  # a small message record: read, opened and decoded without further checks here
+            sealed = stream.read_nowait(sealed_len)
+            if sealed is None:
+                sealed = await stream.read_exactly(sealed_len)
+            plain = bytearray(sealed_len - TAG_SIZE)
+            self._opener.open_into(header, sealed, memoryview(plain))
+            return decode_message(plain, self._limits, into=into)
         rtype, length = parse_record_header(header, self._limits)
         if rtype is not RecordType.MESSAGE:
             if length > _CONTROL_RECORD_MAX:
@@ -241,11 +322,6 @@ class SecureChannel:
             if rtype is RecordType.CLOSE:
                 raise ChannelClosedError(f"{self._describe()} closed the channel", clean=True)
             raise FrameError(RejectReason.UNEXPECTED_RECORD, f"a {rtype.name} record")
-        if RECORD_HEADER.size + length + TAG_SIZE <= SMALL_RECORD_BYTES:
-            sealed = await stream.read_exactly(length + TAG_SIZE)
-            plain = bytearray(length)
-            self._opener.open_into(header, sealed, memoryview(plain))
-            return decode_message(plain, self._limits, into=into)
         opening = self._opener.start(header)
         assembler = MessageAssembler(length, self._limits, into=into)
 
@@ -271,8 +347,12 @@ class SecureChannel:
             return
         self._closed = True
         with contextlib.suppress(Exception):
-            async with asyncio.timeout(_GOODBYE_TIMEOUT_S), self._send_lock:
-                await self._send_record(RecordType.CLOSE, b"", memoryview(b""))
+            async with asyncio.timeout(_GOODBYE_TIMEOUT_S):
+                await self._turns.take()
+                try:
+                    await self._send_record(RecordType.CLOSE, b"", memoryview(b""))
+                finally:
+                    self._turns.give_back()
         self._stream.close()
         with contextlib.suppress(Exception):
             async with asyncio.timeout(_GOODBYE_TIMEOUT_S):

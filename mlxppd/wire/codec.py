@@ -29,7 +29,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlxppd.wire.dtypes import DType, dtype_by_code, dtype_by_name, dtype_for_buffer_format
+from mlxppd.wire.dtypes import (
+    DTYPES,
+    DType,
+    dtype_by_code,
+    dtype_by_name,
+    dtype_for_buffer_format,
+)
 from mlxppd.wire.errors import FrameError, MessageEncodingError, RejectReason
 from mlxppd.wire.limits import MAX_NDIM, FrameLimits
 from mlxppd.wire.version import PROTOCOL_VERSION
@@ -50,9 +56,31 @@ __all__ = [
 #: version, kind, dtype code, ndim, metadata length
 MESSAGE_HEADER = struct.Struct(">BBBBI")
 _DIM = struct.Struct(">Q")
+# The fixed header and the shape of an n-dimensional tensor, packed or read in one call.
+_HEADS = tuple(struct.Struct(f">BBBBI{n}Q") for n in range(MAX_NDIM + 1))
+_SHAPES = tuple(struct.Struct(f">{n}Q") for n in range(MAX_NDIM + 1))
 _ALIGN = 16
 # One encoder for every message: json.dumps would build a new one per call.
 _JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+# ... and JSONEncoder.encode builds a new C encoder per call; this one is built once. Without
+# a markers dict a circular structure ends in RecursionError rather than ValueError.
+_make_c_encoder = getattr(json.encoder, "c_make_encoder", None)
+_C_JSON = (
+    None
+    if _make_c_encoder is None
+    else _make_c_encoder(
+        None, _JSON.default, json.encoder.encode_basestring, None, ":", ",", False, False, False
+    )
+)
+
+
+def _json_bytes(meta: Mapping[str, Any]) -> bytes:
+    obj = meta if type(meta) is dict else dict(meta)
+    if _C_JSON is None:
+        return _JSON.encode(obj).encode()
+    return "".join(_C_JSON(obj, 0)).encode()
+
+
 # After a malformed head the rest of the record still has to be decrypted (to tell tampering
 # from a bad authentic message); it is decrypted into this much reusable scratch at a time.
 _DISCARD_CHUNK = 64 * 1024
@@ -70,6 +98,7 @@ class MessageKind(enum.IntEnum):
 
 _NEEDS_TENSOR = frozenset({MessageKind.ACTIVATION, MessageKind.TOKENS})
 _KINDS = {k.value: k for k in MessageKind}
+_DTYPE_OF: dict[int, DType] = {d.code: d for d in DTYPES}
 
 
 # Value classes are slotted, non-frozen dataclasses: they are created several times per message
@@ -184,8 +213,8 @@ def encode(
     raw = b""
     if meta:
         try:
-            raw = _JSON.encode(meta if type(meta) is dict else dict(meta)).encode()
-        except (TypeError, ValueError) as exc:
+            raw = _json_bytes(meta)
+        except (TypeError, ValueError, RecursionError) as exc:
             raise MessageEncodingError(f"message metadata is not plain JSON: {exc}") from None
         if len(raw) > limits.max_metadata_bytes:
             raise MessageEncodingError(
@@ -197,18 +226,19 @@ def encode(
         return EncodedMessage(
             MESSAGE_HEADER.pack(PROTOCOL_VERSION, kind, 0, 0, len(raw)) + raw, _NO_PAYLOAD
         )
-    _check_tensor(tensor)
     shape = tensor.shape
+    ndim = len(shape)
+    data = tensor.data
+    if ndim > MAX_NDIM or data.nbytes != tensor.nbytes or (ndim and min(shape) < 0):
+        _check_tensor(tensor)  # raises, saying which
     # Pad the metadata with JSON whitespace so the tensor bytes start 16-byte aligned in the
     # plaintext, which a receiver may hand on as is (numpy, mlx and memcpy prefer that).
-    pad = -(MESSAGE_HEADER.size + _DIM.size * len(shape) + len(raw)) % _ALIGN
+    pad = -(MESSAGE_HEADER.size + _DIM.size * ndim + len(raw)) % _ALIGN
     if len(raw) + pad <= limits.max_metadata_bytes:
         raw += b" " * pad
-    head = MESSAGE_HEADER.pack(PROTOCOL_VERSION, kind, tensor.dtype.code, len(shape), len(raw))
-    if shape:
-        head += struct.pack(f">{len(shape)}Q", *shape)
-    encoded = EncodedMessage(head + raw, tensor.data)
-    if encoded.length > limits.max_frame_bytes:
+    head = _HEADS[ndim].pack(PROTOCOL_VERSION, kind, tensor.dtype.code, ndim, len(raw), *shape)
+    encoded = EncodedMessage(head + raw, data)
+    if len(encoded.head) + data.nbytes > limits.max_frame_bytes:
         raise MessageEncodingError(
             f"message is {encoded.length} bytes; the frame limit is {limits.max_frame_bytes} "
             "(raise max_frame_bytes on every node, or split the tensor)"
@@ -343,7 +373,7 @@ class MessageAssembler:
 
     def _shape(self) -> tuple[int, ...]:
         ndim = self._fields[3]
-        return struct.unpack_from(f">{ndim}Q", self._head) if ndim else ()
+        return _SHAPES[ndim].unpack_from(self._head) if ndim else ()
 
 
 def _reject_constant(name: str) -> None:
@@ -353,11 +383,20 @@ def _reject_constant(name: str) -> None:
 _JSON_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
 
 
-def _parse_metadata(raw: bytes) -> dict[str, Any]:
-    if not raw.strip(b" "):  # none, or only the alignment padding
-        return {}
+def _parse_metadata(raw: bytes | memoryview) -> dict[str, Any]:
     try:
-        value = _JSON_DECODER.decode(raw.decode("utf-8"))
+        text = str(raw, "utf-8")
+        if text[:1] == "{":
+            # What every sender writes: one object, then alignment spaces. raw_decode skips
+            # decode()'s two whitespace regex passes; the tail must be spaces.
+            value, end = _JSON_DECODER.raw_decode(text)
+            if end == len(text) or not text[end:].strip(" "):
+                return value
+            value = _JSON_DECODER.decode(text)  # other whitespace, or extra data: it says which
+        elif not text.strip(" "):  # none, or only the alignment padding
+            return {}
+        else:
+            value = _JSON_DECODER.decode(text)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise FrameError(RejectReason.BAD_METADATA, f"metadata is not JSON: {exc}") from None
     if not isinstance(value, dict):
@@ -427,30 +466,45 @@ def decode_message(
     The tensor bytes land in ``into`` when it fits; otherwise, when ``data`` is writable memory
     this process owns (a decrypted bytearray), the tensor is a view of it, without a copy.
     """
-    src = data if isinstance(data, memoryview) else memoryview(data)  # type: ignore[arg-type]
+    src = data if type(data) is memoryview else memoryview(data)  # type: ignore[arg-type]
     if src.format != "B" or src.ndim != 1:
         src = src.cast("B")
     length = src.nbytes
     if length < MESSAGE_HEADER.size:
         raise FrameError(RejectReason.SIZE_MISMATCH, f"{length} B hold no header")
     fields = MESSAGE_HEADER.unpack_from(src)
-    error = _check_fixed(fields, length, limits)
-    if error is not None:
-        raise error
-    _, kind, code, ndim, meta_len = fields
+    version, kind, code, ndim, meta_len = fields
+    dtype = _DTYPE_OF.get(code)
     shape_end = MESSAGE_HEADER.size + _DIM.size * ndim
-    shape = struct.unpack_from(f">{ndim}Q", src, MESSAGE_HEADER.size) if ndim else ()
     head_len = shape_end + meta_len
-    dtype, error = _check_payload(code, shape, length - head_len)
-    if error is not None:
-        raise error
-    meta = _parse_metadata(bytes(src[shape_end:head_len])) if meta_len else {}
+    # One test for what every well-formed message satisfies; the named checks run only when
+    # it fails, so they stay the single place that says what is wrong.
+    if not (
+        version == PROTOCOL_VERSION
+        and kind in _KINDS
+        and ndim <= MAX_NDIM
+        and meta_len <= limits.max_metadata_bytes
+        and head_len <= length
+        and (dtype is not None or (code == 0 and ndim == 0 and kind not in _NEEDS_TENSOR))
+    ):
+        error = _check_fixed(fields, length, limits)
+        if error is not None:
+            raise error
+    shape = _SHAPES[ndim].unpack_from(src, MESSAGE_HEADER.size) if ndim else ()
+    if (math.prod(shape) * dtype.itemsize if dtype else 0) != length - head_len:
+        _, error = _check_payload(code, shape, length - head_len)
+        if error is not None:
+            raise error
+    meta = _parse_metadata(src[shape_end:head_len]) if meta_len else {}
     if dtype is None:
         return Message(_KINDS[kind], meta)
     present = src[head_len:]
     if into is None and not src.readonly:
         payload = present
+    elif type(into) is bytearray and len(into) >= length - head_len:  # a stage's reused buffer
+        payload = memoryview(into)[: length - head_len]
+        payload[:] = present
     else:
-        payload = _destination(present.nbytes, into, alloc)
+        payload = _destination(length - head_len, into, alloc)
         payload[:] = present
     return Message(_KINDS[kind], meta, Tensor(dtype, shape, payload))

@@ -27,10 +27,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from mlxppd.wire.handshake import Hello
+from mlxppd.wire.protocol_stream import ProtocolByteStream
 from mlxppd.wire.rdma_probe import ProbeResult, probe_acceleration
 from mlxppd.wire.socket_stream import SocketByteStream
 from mlxppd.wire.stats import WireStats
-from mlxppd.wire.streams import CHUNK_BYTES, AsyncioByteStream, ByteStream
+from mlxppd.wire.streams import CHUNK_BYTES, ByteStream
 from mlxppd.wire.tcp import TcpTransport
 from mlxppd.wire.transport import Binding, WireConfig
 from mlxppd.wire.version import RDMA_PROTOCOL_VERSION
@@ -226,7 +227,7 @@ class RdmaTransport(TcpTransport):
             )
         sock = stream.detach()
         try:
-            return await AsyncioByteStream.from_socket(sock)
+            return await ProtocolByteStream.from_socket(sock)
         except BaseException:
             with contextlib.suppress(OSError):
                 sock.close()

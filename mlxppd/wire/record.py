@@ -47,6 +47,7 @@ __all__ = [
 ]
 
 RECORD_HEADER = struct.Struct(">BBHI")
+_HEADER_SIZE = RECORD_HEADER.size
 _NONCE = struct.Struct(">IQ")
 TAG_SIZE = 16
 NONCE_SIZE = 12
@@ -179,13 +180,19 @@ class RecordSealer(_Direction):
         Returns the record length. Joining copies the parts, so use this for small records.
         """
         plaintext = b"".join(parts)
-        header = RECORD_HEADER.pack(record_type, 0, 0, len(plaintext) + TAG_SIZE)
-        end = RECORD_HEADER.size + len(plaintext) + TAG_SIZE
-        out[: RECORD_HEADER.size] = header
+        sealed_len = len(plaintext) + TAG_SIZE
+        header = RECORD_HEADER.pack(record_type, 0, 0, sealed_len)
+        out[:_HEADER_SIZE] = header
+        # _next_nonce inlined: this runs once per decode step
+        sequence = self._sequence
+        if sequence > _MAX_SEQUENCE:
+            raise FrameError(RejectReason.SEQUENCE_EXHAUSTED, "2**64 records on one connection")
+        self._sequence = sequence + 1
+        nonce = _NONCE.pack(0, sequence)
         self._aead.encrypt_into(
-            self._next_nonce(), plaintext, header, out[RECORD_HEADER.size : end]
+            nonce, plaintext, header, out[_HEADER_SIZE : _HEADER_SIZE + sealed_len]
         )
-        return end
+        return _HEADER_SIZE + sealed_len
 
     def seal(self, record_type: RecordType, parts: Sequence[Buffer]) -> bytes:
         """One-shot, into fresh memory: the whole record as bytes."""

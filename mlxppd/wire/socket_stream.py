@@ -9,7 +9,7 @@
   has taken the bytes, because ``write`` only returns then.
 
 Before ``enable_readahead()`` (that is, during the handshake) reads take exactly the bytes asked
-for: if the peer does not negotiate the fast path, the socket is handed to asyncio streams
+for: if the peer does not negotiate the fast path, the socket is handed to an asyncio transport
 (``detach``) with no byte of the peer's stream left behind in our arena.
 """
 
@@ -128,6 +128,13 @@ class SocketByteStream(ByteStream):
 
     # -- reading ------------------------------------------------------------------------------
 
+    def read_nowait(self, n: int) -> memoryview | None:
+        start = self._start
+        if self._end - start < n:
+            return None
+        self._start = start + n
+        return self._arena[start : start + n]
+
     async def read_exactly(self, n: int) -> memoryview:
         if n > len(self._arena):  # larger than the arena: gather into fresh memory
             out = memoryview(bytearray(n))
@@ -200,18 +207,17 @@ class SocketByteStream(ByteStream):
             return self._send_arena[:n]
         return memoryview(bytearray(n))
 
-    async def write(self, parts: Sequence[Buffer]) -> None:
+    def write_nowait(self, data: memoryview) -> int:
+        # The fast path of every small record: one send the kernel usually takes whole.
         sock = self._sock
-        if len(parts) == 1 and sock is not None and not self._closing:
-            # Fast path of every small record: one buffer the kernel usually takes whole.
-            view = memoryview(parts[0]).cast("B")
-            try:
-                sent = sock.send(view)
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            if sent == view.nbytes:
-                return
-            parts = [view[sent:]]
+        if sock is None or self._closing or self._busy:
+            return 0  # closed, or a write is waiting for room: it goes first
+        try:
+            return sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            return 0
+
+    async def write(self, parts: Sequence[Buffer]) -> None:
         pending = [v for v in (memoryview(p).cast("B") for p in parts) if v.nbytes]
         self._busy += 1
         try:

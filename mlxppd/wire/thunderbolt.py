@@ -16,8 +16,9 @@ import sys
 from collections.abc import Callable
 
 from mlxppd.core.errors import ConfigurationError
+from mlxppd.wire.protocol_stream import ProtocolByteStream
 from mlxppd.wire.stats import WireStats
-from mlxppd.wire.streams import STREAM_LIMIT, AsyncioByteStream, ByteStream
+from mlxppd.wire.streams import ByteStream
 from mlxppd.wire.tcp import TcpTransport
 from mlxppd.wire.transport import Binding, WireConfig
 
@@ -106,7 +107,8 @@ class ThunderboltTransport(TcpTransport):
         return await super()._bind(ip, port, on_stream)
 
     async def _open(self, host: str, port: int) -> ByteStream:
-        reader, writer = await asyncio.open_connection(
-            host, port, local_addr=(self.bridge_address(), 0), limit=STREAM_LIMIT
+        loop = asyncio.get_running_loop()
+        _, stream = await loop.create_connection(
+            ProtocolByteStream, host, port, local_addr=(self.bridge_address(), 0)
         )
-        return AsyncioByteStream(reader, writer)
+        return stream
