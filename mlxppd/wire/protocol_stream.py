@@ -18,12 +18,13 @@ import asyncio
 import socket
 from collections.abc import Callable, Sequence
 
-from mlxppd.wire.streams import CHUNK_BYTES, Buffer, ByteStream, StreamEOF, format_address
+from mlxppd.wire.arena_stream import ArenaStream
+from mlxppd.wire.streams import CHUNK_BYTES, Buffer, StreamEOF, format_address
 
 __all__ = ["ProtocolByteStream"]
 
 
-class ProtocolByteStream(ByteStream, asyncio.BufferedProtocol):
+class ProtocolByteStream(ArenaStream, asyncio.BufferedProtocol):
     """A stream over an asyncio transport, receiving into a preallocated arena."""
 
     def __init__(
@@ -34,10 +35,7 @@ class ProtocolByteStream(ByteStream, asyncio.BufferedProtocol):
     ):
         self._on_connected = on_connected
         self.peer = "?"
-        self.chunk_size = arena_bytes
-        self._arena = memoryview(bytearray(arena_bytes))
-        self._start = 0  # unread bytes of the arena are [_start, _end)
-        self._end = 0
+        self._init_arena(arena_bytes)
         self._send_arena = memoryview(bytearray(0))
         self._transport: asyncio.Transport | None = None
         self._eof = False
@@ -109,12 +107,6 @@ class ProtocolByteStream(ByteStream, asyncio.BufferedProtocol):
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    def _compact(self) -> None:
-        unread = self._end - self._start
-        if self._start:
-            self._arena[:unread] = self._arena[self._start : self._end]
-            self._start, self._end = 0, unread
-
     async def _wait_for_data(self) -> None:
         if self._eof:
             raise StreamEOF(self._end - self._start)
@@ -127,52 +119,8 @@ class ProtocolByteStream(ByteStream, asyncio.BufferedProtocol):
         finally:
             self._waiter = None
 
-    def read_nowait(self, n: int) -> memoryview | None:
-        start = self._start
-        if self._end - start < n:
-            return None
-        self._start = start + n
-        return self._arena[start : start + n]
-
-    async def read_exactly(self, n: int) -> memoryview:
-        if n > len(self._arena):  # larger than the arena: gather into fresh memory
-            out = memoryview(bytearray(n))
-            pos = 0
-
-            def gather(chunk: memoryview) -> None:
-                nonlocal pos
-                out[pos : pos + len(chunk)] = chunk
-                pos += len(chunk)
-
-            try:
-                await self.read_through(n, gather)
-            except StreamEOF:
-                raise StreamEOF(pos) from None
-            return out
-        if len(self._arena) - self._start < n:
-            self._compact()
-        while self._end - self._start < n:
-            try:
-                await self._wait_for_data()
-            except StreamEOF:
-                raise StreamEOF(self._end - self._start) from None
-        self._start += n
-        return self._arena[self._start - n : self._start]
-
-    async def read_through(self, n: int, sink: Callable[[memoryview], None]) -> None:
-        done = 0
-        while done < n:
-            if self._start == self._end:
-                self._start = self._end = 0
-                try:
-                    await self._wait_for_data()
-                except StreamEOF:
-                    raise StreamEOF(done) from None
-                continue
-            take = min(n - done, self._end - self._start)
-            sink(self._arena[self._start : self._start + take])
-            self._start += take
-            done += take
+    async def _fill(self, want: int) -> None:
+        await self._wait_for_data()
 
     # -- writing ------------------------------------------------------------------------------
 

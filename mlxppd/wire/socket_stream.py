@@ -18,12 +18,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
+from mlxppd.wire.arena_stream import ArenaStream
 from mlxppd.wire.streams import (
     CHUNK_BYTES,
     Buffer,
-    ByteStream,
     StreamEOF,
     advance_buffers,
     format_address,
@@ -32,7 +32,7 @@ from mlxppd.wire.streams import (
 __all__ = ["SocketByteStream"]
 
 
-class SocketByteStream(ByteStream):
+class SocketByteStream(ArenaStream):
     """A stream over a connected non-blocking socket with preallocated arenas."""
 
     def __init__(self, sock: socket.socket, *, arena_bytes: int = CHUNK_BYTES):
@@ -43,10 +43,7 @@ class SocketByteStream(ByteStream):
         self._fd = sock.fileno()
         self._loop = asyncio.get_running_loop()
         self.peer = format_address(sock.getpeername())
-        self.chunk_size = arena_bytes
-        self._arena = memoryview(bytearray(arena_bytes))
-        self._start = 0  # unread bytes of the arena are [_start, _end)
-        self._end = 0
+        self._init_arena(arena_bytes)
         self._send_arena = memoryview(bytearray(arena_bytes))
         self._readahead = False
         self._registered = False  # the read-ahead callback is registered with the loop
@@ -86,12 +83,6 @@ class SocketByteStream(ByteStream):
             self._loop.remove_reader(self._fd)
             self._registered = False
 
-    def _compact(self) -> None:
-        unread = self._end - self._start
-        if self._start:
-            self._arena[:unread] = self._arena[self._start : self._end]
-            self._start, self._end = 0, unread
-
     def _on_readable(self) -> None:
         # Runs only while the reading task is suspended, so moving unread bytes is safe.
         if self._end == len(self._arena):
@@ -128,63 +119,14 @@ class SocketByteStream(ByteStream):
 
     # -- reading ------------------------------------------------------------------------------
 
-    def read_nowait(self, n: int) -> memoryview | None:
-        start = self._start
-        if self._end - start < n:
-            return None
-        self._start = start + n
-        return self._arena[start : start + n]
-
-    async def read_exactly(self, n: int) -> memoryview:
-        if n > len(self._arena):  # larger than the arena: gather into fresh memory
-            out = memoryview(bytearray(n))
-            pos = 0
-
-            def gather(chunk: memoryview) -> None:
-                nonlocal pos
-                out[pos : pos + len(chunk)] = chunk
-                pos += len(chunk)
-
-            try:
-                await self.read_through(n, gather)
-            except StreamEOF:
-                raise StreamEOF(pos) from None
-            return out
-        if len(self._arena) - self._start < n:
-            self._compact()
-        while self._end - self._start < n:
-            if self._readahead:
-                try:
-                    await self._wait_for_data()
-                except StreamEOF:
-                    raise StreamEOF(self._end - self._start) from None
-            else:
-                k = await self._recv_exact(self._arena[self._end : self._start + n])
-                if k == 0:
-                    raise StreamEOF(self._end - self._start)
-                self._end += k
-        self._start += n
-        return self._arena[self._start - n : self._start]
-
-    async def read_through(self, n: int, sink: Callable[[memoryview], None]) -> None:
-        done = 0
-        while done < n:
-            if self._start == self._end:
-                self._start = self._end = 0
-                if self._readahead:
-                    try:
-                        await self._wait_for_data()
-                    except StreamEOF:
-                        raise StreamEOF(done) from None
-                    continue
-                k = await self._recv_exact(self._arena[: min(n - done, len(self._arena))])
-                if k == 0:
-                    raise StreamEOF(done)
-                self._end = k
-            take = min(n - done, self._end - self._start)
-            sink(self._arena[self._start : self._start + take])
-            self._start += take
-            done += take
+    async def _fill(self, want: int) -> None:
+        if self._readahead:
+            await self._wait_for_data()
+            return
+        k = await self._recv_exact(self._arena[self._end : self._end + want])
+        if k == 0:
+            raise StreamEOF(self._end - self._start)
+        self._end += k
 
     async def _recv_exact(self, view: memoryview) -> int:
         """One ``recv_into`` through the loop (handshake mode); 0 at end of stream."""
