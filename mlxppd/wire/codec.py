@@ -29,13 +29,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlxppd.wire.dtypes import (
-    DTYPES,
-    DType,
-    dtype_by_code,
-    dtype_by_name,
-    dtype_for_buffer_format,
-)
+from mlxppd.wire.dtypes import DType, dtype_by_code, dtype_by_name, dtype_for_buffer_format
 from mlxppd.wire.errors import FrameError, MessageEncodingError, RejectReason
 from mlxppd.wire.limits import MAX_NDIM, FrameLimits
 from mlxppd.wire.version import PROTOCOL_VERSION
@@ -98,7 +92,6 @@ class MessageKind(enum.IntEnum):
 
 _NEEDS_TENSOR = frozenset({MessageKind.ACTIVATION, MessageKind.TOKENS})
 _KINDS = {k.value: k for k in MessageKind}
-_DTYPE_OF: dict[int, DType] = {d.code: d for d in DTYPES}
 
 
 # Value classes are slotted, non-frozen dataclasses: they are created several times per message
@@ -474,7 +467,7 @@ def decode_message(
         raise FrameError(RejectReason.SIZE_MISMATCH, f"{length} B hold no header")
     fields = MESSAGE_HEADER.unpack_from(src)
     version, kind, code, ndim, meta_len = fields
-    dtype = _DTYPE_OF.get(code)
+    dtype = dtype_by_code(code)
     shape_end = MESSAGE_HEADER.size + _DIM.size * ndim
     head_len = shape_end + meta_len
     # One test for what every well-formed message satisfies; the named checks run only when
@@ -501,9 +494,6 @@ def decode_message(
     present = src[head_len:]
     if into is None and not src.readonly:
         payload = present
-    elif type(into) is bytearray and len(into) >= length - head_len:  # a stage's reused buffer
-        payload = memoryview(into)[: length - head_len]
-        payload[:] = present
     else:
         payload = _destination(length - head_len, into, alloc)
         payload[:] = present

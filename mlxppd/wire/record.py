@@ -183,14 +183,8 @@ class RecordSealer(_Direction):
         sealed_len = len(plaintext) + TAG_SIZE
         header = RECORD_HEADER.pack(record_type, 0, 0, sealed_len)
         out[:_HEADER_SIZE] = header
-        # _next_nonce inlined: this runs once per decode step
-        sequence = self._sequence
-        if sequence > _MAX_SEQUENCE:
-            raise FrameError(RejectReason.SEQUENCE_EXHAUSTED, "2**64 records on one connection")
-        self._sequence = sequence + 1
-        nonce = _NONCE.pack(0, sequence)
         self._aead.encrypt_into(
-            nonce, plaintext, header, out[_HEADER_SIZE : _HEADER_SIZE + sealed_len]
+            self._next_nonce(), plaintext, header, out[_HEADER_SIZE : _HEADER_SIZE + sealed_len]
         )
         return _HEADER_SIZE + sealed_len
 
