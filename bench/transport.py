@@ -21,6 +21,8 @@ Method. One receiver process per transport listens on 127.0.0.1; this process se
   receives with blocking sockets (the cheapest way Python moves bytes), ``raw-asyncio`` on an
   event loop with ``recv_into`` a preallocated buffer (the cheapest way asyncio does, and the
   I/O model mlxppd runs on). The ratio to ``raw-asyncio`` is what the secure protocol costs.
+* Every event loop here is the one mlxppd runs on (``mlxppd.runtime.event_loop``: uvloop where
+  installed; ``MLXPP_EVENT_LOOP=asyncio`` measures asyncio's own loop instead).
 * Transports take turns in blocks of ``--block`` (25) messages, so a noisy neighbour slows
   every row alike. A block, not a single message: each receiver is its own process on the same
   CPU, and switching transports after every message lets four interpreters evict each other's
@@ -46,9 +48,11 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
+from mlxppd.runtime import event_loop
 from mlxppd.wire.backends import create_transport
 from mlxppd.wire.channel import SecureChannel
 from mlxppd.wire.codec import MessageKind
@@ -136,8 +140,7 @@ class _RawProtocol(asyncio.BufferedProtocol):
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.view[self.have :]
@@ -402,17 +405,18 @@ def main(argv: list[str] | None = None) -> int:
         receive_raw()
         return 0
     if args.receive == "raw-asyncio":
-        asyncio.run(receive_raw_asyncio())
+        event_loop.run(receive_raw_asyncio())
         return 0
     if args.receive:
-        asyncio.run(receive_secure(args.receive))
+        event_loop.run(receive_secure(args.receive))
         return 0
     started = time.perf_counter()
     load_before = os.getloadavg()[0]
-    rows, probe = asyncio.run(measure(args.quick, max(1, args.block), pair and pair[1]))
+    rows, probe = event_loop.run(measure(args.quick, max(1, args.block), pair and pair[1]))
     print(render(rows, probe))
     print(
         f"- run: latency in blocks of {max(1, args.block)} messages per transport; "
+        f"event loop {event_loop.event_loop_factory()[0]}; "
         f"{time.perf_counter() - started:.0f} s on {os.cpu_count()} CPUs, load average "
         f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after (other work skews the numbers)"
     )

@@ -14,6 +14,12 @@ echo "== pytest" >&2
 set +e
 $V/python -m pytest "$@"
 rc=$?
+if [ "$rc" = 0 ] && [ "$#" = 0 ]; then
+  # mlxppd runs on uvloop where it is installed; the wire must work on asyncio's loop too.
+  echo "== pytest: wire tests on asyncio's event loop" >&2
+  MLXPP_EVENT_LOOP=asyncio $V/python -m pytest -q tests/test_wire_*.py
+  rc=$?
+fi
 set -e
 # pytest's 5 means it collected no test: that is a failure, never a pass.
 [ "$rc" = 5 ] && echo "test: pytest ran no test" >&2 && exit 1

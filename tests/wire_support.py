@@ -13,6 +13,7 @@ import struct
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
+from mlxppd.runtime import event_loop
 from mlxppd.wire.backends import create_transport
 from mlxppd.wire.channel import SecureChannel
 from mlxppd.wire.codec import MessageKind
@@ -42,7 +43,11 @@ def config(node_id: str, **overrides: Any) -> WireConfig:
 
 
 def run(factory: Callable[[], Coroutine[Any, Any, T]], timeout: float = 20.0) -> T:
-    """Run a test scenario on a fresh event loop, bounded in time; fail on leaked tasks."""
+    """Run a test scenario on a fresh event loop, bounded in time; fail on leaked tasks.
+
+    The loop is the one mlxppd runs on (uvloop where installed); ``MLXPP_EVENT_LOOP=asyncio``
+    runs the same scenarios on asyncio's loop (scripts/test.sh does both for the wire tests).
+    """
 
     async def main() -> T:
         async with asyncio.timeout(timeout):
@@ -53,7 +58,7 @@ def run(factory: Callable[[], Coroutine[Any, Any, T]], timeout: float = 20.0) ->
         assert not leftover, f"the scenario left tasks behind: {leftover}"
         return result
 
-    return asyncio.run(main())
+    return event_loop.run(main())
 
 
 async def echo(channel: SecureChannel) -> None:

@@ -158,6 +158,7 @@ def run_agent(args: argparse.Namespace) -> int:
 
     from mlxppd.core.agent_settings import config_dir_from, load_host_settings
     from mlxppd.http.agent_http import start_agent_http
+    from mlxppd.runtime import event_loop
     from mlxppd.runtime.agent import Agent
     from mlxppd.runtime.host_addresses import is_local_address
     from mlxppd.runtime.metrics import PipelineMetrics
@@ -192,7 +193,7 @@ def run_agent(args: argparse.Namespace) -> int:
         return await agent.run(stop)
 
     try:
-        return asyncio.run(main())
+        return event_loop.run(main())
     finally:
         notifier.close()
         sys.stderr.flush()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import sys
@@ -261,6 +260,7 @@ def run(args: argparse.Namespace) -> int:
     from mlxppd.engine.families import single_process_reason
     from mlxppd.engine.model_files import read_config, resolve_model_dir
     from mlxppd.http.server import run_coordinator_node, run_inprocess, run_local_cluster
+    from mlxppd.runtime import event_loop
     from mlxppd.runtime.serve import NodeOptions, run_stage_node
 
     logging.basicConfig(
@@ -309,9 +309,9 @@ def run(args: argparse.Namespace) -> int:
 
     _check_zero_config(args)
     if args.pp_auto is not None:
-        return asyncio.run(_run_auto(sized_for(options, args.pp_auto), _zero_config(args)))
+        return event_loop.run(_run_auto(sized_for(options, args.pp_auto), _zero_config(args)))
     if args.pp_peer and not (args.distributed_config and args.node_id):
-        return asyncio.run(_run_peer(options, _zero_config(args)))
+        return event_loop.run(_run_peer(options, _zero_config(args)))
 
     sized = sized_for
 
@@ -328,9 +328,9 @@ def run(args: argparse.Namespace) -> int:
         cluster = load_cluster_config(args.distributed_config)
         node = cluster.find_node(args.node_id)
         if node is not None and node.role is not NodeRole.HYBRID:
-            return asyncio.run(run_stage_node(options))
+            return event_loop.run(run_stage_node(options))
         options = sized(options, cluster.cluster.pipeline_parallel_size)
-        return asyncio.run(run_coordinator_node(options))
+        return event_loop.run(run_coordinator_node(options))
 
     model_dir = resolve_model_dir(args.model)
     config = read_config(model_dir)
@@ -346,4 +346,4 @@ def run(args: argparse.Namespace) -> int:
     options = replace(options, model=str(model_dir))
     if len(ranges) >= 2:
         return run_local_cluster(sized(options, len(ranges)), ranges)
-    return asyncio.run(run_inprocess(options, model_dir))
+    return event_loop.run(run_inprocess(options, model_dir))

@@ -24,6 +24,7 @@ from mlxppd.engine.families import family_for
 from mlxppd.engine.model_files import read_config, resolve_model_dir
 from mlxppd.http.admin_api import AdminApi
 from mlxppd.http.openai_api import create_app, create_metrics_app
+from mlxppd.runtime import event_loop
 from mlxppd.runtime.agent_status import CoordinatorAdmin, CoordinatorView
 from mlxppd.runtime.backend import GenerationBackend
 from mlxppd.runtime.elastic_driver import ElasticDriver
@@ -241,7 +242,7 @@ def run_local_cluster(template: NodeOptions, ranges: tuple[LayerRange, ...]) -> 
     cluster = LocalCluster(template.model, ranges, template.kv_budget_bytes, template.max_sequences)
     try:
         cluster.start_stages()
-        return asyncio.run(run_coordinator_node(cluster.node_options(template)))
+        return event_loop.run(run_coordinator_node(cluster.node_options(template)))
     except KeyboardInterrupt:
         return 130
     finally:

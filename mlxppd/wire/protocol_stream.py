@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import Callable, Sequence
+from typing import cast
 
 from mlxppd.wire.arena_stream import ArenaStream
 from mlxppd.wire.streams import CHUNK_BYTES, Buffer, StreamEOF, format_address
@@ -59,16 +60,18 @@ class ProtocolByteStream(ArenaStream, asyncio.BufferedProtocol):
     # -- protocol callbacks (the event loop calls these) -----------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
-        self.peer = format_address(transport.get_extra_info("peername"))
-        transport.set_write_buffer_limits(high=0)
+        # uvloop's transports are not asyncio.Transport subclasses, but offer the same methods.
+        self._transport = stream_transport = cast(asyncio.Transport, transport)
+        self.peer = format_address(stream_transport.get_extra_info("peername"))
+        stream_transport.set_write_buffer_limits(high=0)
         if self._on_connected is not None:
             self._on_connected(self)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         # Runs only while the reading task is suspended, so moving unread bytes is safe.
-        if self._end == len(self._arena):
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif self._end == len(self._arena):
             self._compact()
         return self._arena[self._end :]
 
