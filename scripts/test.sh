@@ -17,7 +17,7 @@ rc=$?
 if [ "$rc" = 0 ] && [ "$#" = 0 ]; then
   # mlxppd runs on uvloop where it is installed; the wire must work on asyncio's loop too.
   echo "== pytest: wire tests on asyncio's event loop" >&2
-  MLXPP_EVENT_LOOP=asyncio $V/python -m pytest -q tests/test_wire_*.py
+  MLXPP_EVENT_LOOP=asyncio $V/python -m pytest -q tests/test_wire_*.py tests/test_discovery.py
   rc=$?
 fi
 set -e

@@ -13,8 +13,7 @@ import json
 import logging
 import socket
 import time
-from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -34,29 +33,15 @@ from mlxppd.wire.discovery import (
     encode_beacon,
     send_beacons,
 )
+from tests.wire_support import run
 
 pytestmark = pytest.mark.timeout(60)
 
-T = TypeVar("T")
 KEY = beacon_key(b"7f3c9a1e5b2d4c6a8e0f1a2b3c4d5e6f")
 OTHER_KEY = beacon_key(b"a-different-secret-of-32-bytes!!")
 CLUSTER = "studio-pp"
 NOW = 1_700_000_000.0
 PEER = "127.0.0.1:40001"
-
-
-def run(factory: Callable[[], Coroutine[Any, Any, T]], timeout: float = 20.0) -> T:
-    """Run a scenario on a fresh loop, bounded in time; fail if it leaves tasks behind."""
-
-    async def main() -> T:
-        async with asyncio.timeout(timeout):
-            result = await factory()
-        await asyncio.sleep(0)
-        leftover = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        assert not leftover, f"the scenario left tasks behind: {leftover}"
-        return result
-
-    return asyncio.run(main())
 
 
 def beacon(

@@ -16,7 +16,7 @@ import pytest
 from mlxppd.core.errors import TemporaryError
 from mlxppd.wire.backends import create_transport
 from mlxppd.wire.channel import SecureChannel
-from mlxppd.wire.codec import MessageKind
+from mlxppd.wire.codec import Message, MessageKind
 from mlxppd.wire.errors import (
     ChannelClosedError,
     HandshakeError,
@@ -93,6 +93,32 @@ def test_a_tensor_is_received_into_the_callers_buffer(backend: str, nbytes: int)
         )
 
     run(scenario)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_tensor_too_large_for_the_callers_buffer_owns_its_memory(backend: str) -> None:
+    # Small records received ``into`` are decrypted in a scratch buffer the channel reuses;
+    # a tensor that does not fit the caller's buffer must be a copy, never a view of it.
+    sent = [np.full(4096, i, dtype=np.uint8) for i in range(1, 4)]
+    small = bytearray(16)
+
+    async def scenario() -> list[Message]:
+        server = create_transport(backend, config("server"))
+        client = create_transport(backend, config("client"))
+        async with await serve(server) as listener:
+            channel = await client.connect(*listener.address)
+            for i, array in enumerate(sent):
+                await channel.send(MessageKind.ACTIVATION, {"i": i}, array)
+            replies = [await channel.recv(into=small) for _ in sent]
+            await channel.close()
+        return replies
+
+    replies = run(scenario)
+    assert [r.meta for r in replies] == [{"i": 0}, {"i": 1}, {"i": 2}]
+    for reply, array in zip(replies, sent, strict=True):
+        assert reply.tensor is not None
+        assert bytes(reply.tensor.data) == array.tobytes()  # not overwritten by a later one
+    assert small == bytearray(16)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

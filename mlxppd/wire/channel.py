@@ -27,7 +27,7 @@ from mlxppd.wire.codec import (
     Tensor,
     as_tensor,
     decode_message,
-    encode,
+    encode_parts,
 )
 from mlxppd.wire.errors import ChannelClosedError, FrameError, RejectReason
 from mlxppd.wire.limits import FrameLimits
@@ -154,6 +154,7 @@ class SecureChannel:
         self.peer_rdma_version = peer_rdma_version
         self._turns = SendTurns()
         self._receiving = False
+        self._plain = memoryview(b"")  # plaintext scratch of small records received ``into``
         self._in_record = False  # a read failing now cuts a record short
         self._closed = False
 
@@ -178,8 +179,9 @@ class SecureChannel:
         tensor: Tensor | object | None = None,
     ) -> None:
         """Send one message; ``tensor`` is a Tensor or any C-contiguous buffer (not copied)."""
-        encoded = encode(kind, meta, None if tensor is None else as_tensor(tensor), self._limits)
-        head, payload = encoded.head, encoded.payload
+        head, payload = encode_parts(
+            kind, meta, None if tensor is None else as_tensor(tensor), self._limits
+        )
         turns = self._turns
         if not turns.try_take():
             await turns.take()
@@ -310,8 +312,14 @@ class SecureChannel:
             sealed = stream.read_nowait(sealed_len)
             if sealed is None:
                 sealed = await stream.read_exactly(sealed_len)
-            plain = bytearray(sealed_len - TAG_SIZE)
-            self._opener.open_into(header, sealed, memoryview(plain))
+            n = sealed_len - TAG_SIZE
+            if into is None:  # the tensor will be a view of the plaintext: fresh memory
+                plain = memoryview(bytearray(n))
+            else:  # the tensor is copied into ``into`` (or fresh memory): reuse the scratch
+                if len(self._plain) < n:
+                    self._plain = memoryview(bytearray(SMALL_RECORD_BYTES))
+                plain = self._plain[:n]
+            self._opener.open_into(header, sealed, plain)
             return decode_message(plain, self._limits, into=into)
         rtype, length = parse_record_header(header, self._limits)
         if rtype is not RecordType.MESSAGE:

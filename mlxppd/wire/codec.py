@@ -45,6 +45,7 @@ __all__ = [
     "decode_message",
     "encode",
     "encode_message",
+    "encode_parts",
 ]
 
 #: version, kind, dtype code, ndim, metadata length
@@ -54,6 +55,7 @@ _DIM = struct.Struct(">Q")
 _HEADS = tuple(struct.Struct(f">BBBBI{n}Q") for n in range(MAX_NDIM + 1))
 _SHAPES = tuple(struct.Struct(f">{n}Q") for n in range(MAX_NDIM + 1))
 _ALIGN = 16
+_SPACES = tuple(b" " * n for n in range(_ALIGN))
 # One encoder for every message: json.dumps would build a new one per call.
 _JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 # ... and JSONEncoder.encode builds a new C encoder per call; this one is built once. Without
@@ -202,7 +204,14 @@ def encode_message(message: Message, limits: FrameLimits) -> EncodedMessage:
 def encode(
     kind: MessageKind, meta: Mapping[str, Any] | None, tensor: Tensor | None, limits: FrameLimits
 ) -> EncodedMessage:
-    """``encode_message`` without building a Message first (the channel's send path)."""
+    """``encode_message`` without building a Message first."""
+    return EncodedMessage(*encode_parts(kind, meta, tensor, limits))
+
+
+def encode_parts(
+    kind: MessageKind, meta: Mapping[str, Any] | None, tensor: Tensor | None, limits: FrameLimits
+) -> tuple[bytes, memoryview]:
+    """``encode`` as its two parts, the head and the tensor bytes (the channel's send path)."""
     raw = b""
     if meta:
         try:
@@ -216,27 +225,26 @@ def encode(
     if tensor is None:
         if kind in _NEEDS_TENSOR:
             raise MessageEncodingError(f"a {kind.name} message needs a tensor")
-        return EncodedMessage(
-            MESSAGE_HEADER.pack(PROTOCOL_VERSION, kind, 0, 0, len(raw)) + raw, _NO_PAYLOAD
-        )
+        return MESSAGE_HEADER.pack(PROTOCOL_VERSION, kind, 0, 0, len(raw)) + raw, _NO_PAYLOAD
     shape = tensor.shape
     ndim = len(shape)
     data = tensor.data
-    if ndim > MAX_NDIM or data.nbytes != tensor.nbytes or (ndim and min(shape) < 0):
+    dtype = tensor.dtype
+    nbytes = data.nbytes
+    if ndim > MAX_NDIM or nbytes != math.prod(shape) * dtype.itemsize or (ndim and min(shape) < 0):
         _check_tensor(tensor)  # raises, saying which
     # Pad the metadata with JSON whitespace so the tensor bytes start 16-byte aligned in the
     # plaintext, which a receiver may hand on as is (numpy, mlx and memcpy prefer that).
     pad = -(MESSAGE_HEADER.size + _DIM.size * ndim + len(raw)) % _ALIGN
-    if len(raw) + pad <= limits.max_metadata_bytes:
-        raw += b" " * pad
-    head = _HEADS[ndim].pack(PROTOCOL_VERSION, kind, tensor.dtype.code, ndim, len(raw), *shape)
-    encoded = EncodedMessage(head + raw, data)
-    if len(encoded.head) + data.nbytes > limits.max_frame_bytes:
+    if pad and len(raw) + pad <= limits.max_metadata_bytes:
+        raw += _SPACES[pad]
+    head = _HEADS[ndim].pack(PROTOCOL_VERSION, kind, dtype.code, ndim, len(raw), *shape) + raw
+    if len(head) + nbytes > limits.max_frame_bytes:
         raise MessageEncodingError(
-            f"message is {encoded.length} bytes; the frame limit is {limits.max_frame_bytes} "
+            f"message is {len(head) + nbytes} bytes; the frame limit is {limits.max_frame_bytes} "
             "(raise max_frame_bytes on every node, or split the tensor)"
         )
-    return encoded
+    return head, data
 
 
 class _Phase(enum.Enum):
@@ -374,16 +382,21 @@ def _reject_constant(name: str) -> None:
 
 
 _JSON_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+# The C scanner that raw_decode wraps, called directly: one Python frame fewer per message.
+_SCAN: Callable[[str, int], tuple[Any, int]] = _JSON_DECODER.scan_once  # type: ignore[attr-defined]
 
 
 def _parse_metadata(raw: bytes | memoryview) -> dict[str, Any]:
     try:
         text = str(raw, "utf-8")
         if text[:1] == "{":
-            # What every sender writes: one object, then alignment spaces. raw_decode skips
+            # What every sender writes: one object, then alignment spaces. Scanning it skips
             # decode()'s two whitespace regex passes; the tail must be spaces.
-            value, end = _JSON_DECODER.raw_decode(text)
-            if end == len(text) or not text[end:].strip(" "):
+            try:
+                value, end = _SCAN(text, 0)
+            except StopIteration:
+                value, end = None, 0  # not JSON: decode() below says where
+            if end == len(text) or (end and not text[end:].strip(" ")):
                 return value
             value = _JSON_DECODER.decode(text)  # other whitespace, or extra data: it says which
         elif not text.strip(" "):  # none, or only the alignment padding
@@ -435,7 +448,10 @@ def _check_payload(
 
 def _destination(nbytes: int, into: object | None, alloc: Callable[[int], bytearray]) -> memoryview:
     """Where ``nbytes`` of tensor data go: the caller's buffer if it fits, else fresh memory."""
-    if into is not None:
+    if type(into) is bytearray:  # the usual case: one reused per stage
+        if len(into) >= nbytes:
+            return memoryview(into)[:nbytes]
+    elif into is not None:
         try:
             view = memoryview(into).cast("B")  # type: ignore[arg-type]
         except (TypeError, ValueError):

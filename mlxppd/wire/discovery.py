@@ -248,6 +248,37 @@ def _family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
+# UDP through the socket and a readiness callback, not loop.sock_sendto/sock_recvfrom:
+# uvloop, which mlxppd runs on, does not implement those two.
+
+
+def _send_datagram(sock: socket.socket, data: bytes, target: tuple[str, int]) -> None:
+    """Send one datagram now; a full send buffer drops it (beacons repeat every interval)."""
+    with contextlib.suppress(BlockingIOError):
+        sock.sendto(data, target)
+
+
+async def _recv_datagram(sock: socket.socket, max_bytes: int) -> tuple[bytes, object]:
+    """The next datagram (at most ``max_bytes``, longer ones truncated) and its sender."""
+    loop = asyncio.get_running_loop()
+    while True:
+        try:
+            return sock.recvfrom(max_bytes)
+        except BlockingIOError:
+            pass
+        readable = loop.create_future()
+
+        def wake(future: asyncio.Future[None] = readable) -> None:
+            if not future.done():
+                future.set_result(None)
+
+        loop.add_reader(sock.fileno(), wake)
+        try:
+            await readable
+        finally:
+            loop.remove_reader(sock.fileno())
+
+
 async def send_beacons(
     key: bytes,
     *,
@@ -263,13 +294,12 @@ async def send_beacons(
     A send that fails (no route yet, interface down) is logged once and retried next interval:
     the network may come up after the daemon does.
     """
-    loop = asyncio.get_running_loop()
     warned = False
     with _udp_socket(_family(target[0])) as sock:
         while not stop.is_set():
             data = encode_beacon(key, cluster_name=cluster_name, address=address, now=clock())
             try:
-                await loop.sock_sendto(sock, data, target)
+                _send_datagram(sock, data, target)
             except OSError as exc:
                 if not warned:
                     log.warning(
@@ -301,7 +331,6 @@ async def collect_peers(
     has after ``timeout_s``; the caller decides whether too few is an error. ``on_listening``
     gets the bound address once the socket is open (useful with port 0).
     """
-    loop = asyncio.get_running_loop()
     found: dict[str, Beacon] = {}
     with _udp_socket(_family(bind[0])) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -321,7 +350,7 @@ async def collect_peers(
             async with asyncio.timeout(timeout_s):
                 while len(found) < want:
                     # One byte past the bound: a longer datagram is truncated, and seen as oversize.
-                    data, sender = await loop.sock_recvfrom(sock, MAX_BEACON_BYTES + 1)
+                    data, sender = await _recv_datagram(sock, MAX_BEACON_BYTES + 1)
                     try:
                         beacon = decode_beacon(key, data, cluster_name=cluster_name, now=clock())
                     except BeaconRejected as exc:
