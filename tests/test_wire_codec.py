@@ -162,6 +162,19 @@ def test_local_messages_that_cannot_be_encoded_are_refused() -> None:
         encode_message(Message(MessageKind.CONTROL, {"x": float("nan")}), LIMITS)
     with pytest.raises(MessageEncodingError, match="not plain JSON"):
         encode_message(Message(MessageKind.CONTROL, {"x": object()}), LIMITS)
+    # NaN and infinity hide anywhere, next to real nulls, which are fine.
+    nested = {"ok": None, "deep": [1, {"v": (2.0, float("-inf"))}]}
+    with pytest.raises(MessageEncodingError, match="not plain JSON"):
+        encode_message(Message(MessageKind.CONTROL, nested), LIMITS)
+    assert roundtrip(Message(MessageKind.CONTROL, {"ok": None, "f": [0.5]})).meta == {
+        "ok": None,
+        "f": [0.5],
+    }
+    # Metadata integers are 64-bit (signed or unsigned), as docs/protocol.md says.
+    with pytest.raises(MessageEncodingError, match="64-bit"):
+        encode_message(Message(MessageKind.CONTROL, {"x": 2**64}), LIMITS)
+    edges = {"min": -(2**63), "max": 2**64 - 1}
+    assert roundtrip(Message(MessageKind.CONTROL, edges)).meta == edges
     with pytest.raises(MessageEncodingError, match="metadata is 5002 bytes"):
         encode_message(Message(MessageKind.CONTROL, {"x": "y" * 4994}), LIMITS)
     too_many_dims = Tensor(DTYPES[1], (1,) * (MAX_NDIM + 1), memoryview(b"\x00"))
@@ -255,7 +268,9 @@ def test_arbitrary_bytes_only_ever_raise_the_codecs_error_within_bounded_memory(
 def messages(draw: st.DrawFn) -> Message:
     kind = draw(st.sampled_from(list(MessageKind)))
     meta = draw(
-        st.dictionaries(st.text(max_size=5), st.integers() | st.text(max_size=8), max_size=4)
+        st.dictionaries(
+            st.text(max_size=5), st.integers(-(2**63), 2**64 - 1) | st.text(max_size=8), max_size=4
+        )
     )
     needs = kind in (MessageKind.ACTIVATION, MessageKind.TOKENS)
     tensor = None

@@ -8,7 +8,8 @@ Layout (all integers big-endian; docs/protocol.md, "Messages")::
     u8  ndim           0..MAX_NDIM (0 when there is no tensor)
     u32 meta_len       0..max_metadata_bytes
     u64 shape[ndim]
-    meta_len bytes     metadata: a UTF-8 JSON object (small control data only, never tensors),
+    meta_len bytes     metadata: a UTF-8 JSON object (small control data only, never tensors;
+                       integers within 64 bits, no NaN or Infinity),
                        padded with spaces so the tensor bytes start 16-byte aligned
     ...                tensor bytes, exactly prod(shape) * itemsize, C order, little-endian
 
@@ -22,12 +23,13 @@ or one allocated at the exact, already bounded, size. Nothing is ever unpickled 
 from __future__ import annotations
 
 import enum
-import json
 import math
 import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import orjson
 
 from mlxppd.wire.dtypes import DType, dtype_by_code, dtype_by_name, dtype_for_buffer_format
 from mlxppd.wire.errors import FrameError, MessageEncodingError, RejectReason
@@ -56,25 +58,32 @@ _HEADS = tuple(struct.Struct(f">BBBBI{n}Q") for n in range(MAX_NDIM + 1))
 _SHAPES = tuple(struct.Struct(f">{n}Q") for n in range(MAX_NDIM + 1))
 _ALIGN = 16
 _SPACES = tuple(b" " * n for n in range(_ALIGN))
-# One encoder for every message: json.dumps would build a new one per call.
-_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-# ... and JSONEncoder.encode builds a new C encoder per call; this one is built once. Without
-# a markers dict a circular structure ends in RecursionError rather than ValueError.
-_make_c_encoder = getattr(json.encoder, "c_make_encoder", None)
-_C_JSON = (
-    None
-    if _make_c_encoder is None
-    else _make_c_encoder(
-        None, _JSON.default, json.encoder.encode_basestring, None, ":", ",", False, False, False
-    )
+# Metadata is JSON through orjson: 3-6x faster than the json module both ways, about 1 µs of
+# every decode step. Options make it write what json would: int, float, bool and None keys as
+# strings, and it refuses dataclasses and datetimes as json does instead of converting them.
+_JSON_OPTIONS = (
+    orjson.OPT_NON_STR_KEYS | orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATETIME
 )
 
 
 def _json_bytes(meta: Mapping[str, Any]) -> bytes:
     obj = meta if type(meta) is dict else dict(meta)
-    if _C_JSON is None:
-        return _JSON.encode(obj).encode()
-    return "".join(_C_JSON(obj, 0)).encode()
+    raw: bytes = orjson.dumps(obj, option=_JSON_OPTIONS)
+    if b"null" in raw:  # orjson writes NaN and infinity as null; they are not JSON
+        _refuse_non_finite(obj)
+    return raw
+
+
+def _refuse_non_finite(value: object) -> None:
+    if type(value) is float:
+        if not math.isfinite(value):
+            raise ValueError(f"{value} is not a JSON number")
+    elif isinstance(value, dict):
+        for item in value.values():
+            _refuse_non_finite(item)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            _refuse_non_finite(item)
 
 
 # After a malformed head the rest of the record still has to be decrypted (to tell tampering
@@ -377,35 +386,14 @@ class MessageAssembler:
         return _SHAPES[ndim].unpack_from(self._head) if ndim else ()
 
 
-def _reject_constant(name: str) -> None:
-    raise ValueError(f"{name} is not allowed in metadata")
-
-
-_JSON_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
-# The C scanner that raw_decode wraps, called directly: one Python frame fewer per message.
-_SCAN: Callable[[str, int], tuple[Any, int]] = _JSON_DECODER.scan_once  # type: ignore[attr-defined]
-
-
 def _parse_metadata(raw: bytes | memoryview) -> dict[str, Any]:
     try:
-        text = str(raw, "utf-8")
-        if text[:1] == "{":
-            # What every sender writes: one object, then alignment spaces. Scanning it skips
-            # decode()'s two whitespace regex passes; the tail must be spaces.
-            try:
-                value, end = _SCAN(text, 0)
-            except StopIteration:
-                value, end = None, 0  # not JSON: decode() below says where
-            if end == len(text) or (end and not text[end:].strip(" ")):
-                return value
-            value = _JSON_DECODER.decode(text)  # other whitespace, or extra data: it says which
-        elif not text.strip(" "):  # none, or only the alignment padding
+        value = orjson.loads(raw)  # bounded depth; NaN, Infinity and bad UTF-8 are errors
+    except orjson.JSONDecodeError as exc:
+        if not bytes(raw).strip(b" "):  # none, or only the alignment padding
             return {}
-        else:
-            value = _JSON_DECODER.decode(text)
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise FrameError(RejectReason.BAD_METADATA, f"metadata is not JSON: {exc}") from None
-    if not isinstance(value, dict):
+    if type(value) is not dict:
         raise FrameError(RejectReason.BAD_METADATA, "metadata is not a JSON object")
     return value
 
