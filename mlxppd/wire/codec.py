@@ -436,10 +436,7 @@ def _check_payload(
 
 def _destination(nbytes: int, into: object | None, alloc: Callable[[int], bytearray]) -> memoryview:
     """Where ``nbytes`` of tensor data go: the caller's buffer if it fits, else fresh memory."""
-    if type(into) is bytearray:  # the usual case: one reused per stage
-        if len(into) >= nbytes:
-            return memoryview(into)[:nbytes]
-    elif into is not None:
+    if into is not None:
         try:
             view = memoryview(into).cast("B")  # type: ignore[arg-type]
         except (TypeError, ValueError):
