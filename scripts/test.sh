@@ -1,9 +1,40 @@
 #!/usr/bin/env bash
 # Set up .venv (scripts/setup.sh), then run every check CI runs: ruff, mypy, the import-layer
 # contract, the schema freshness check and the pytest suite. Extra arguments go to pytest.
+# Some tests need system packages: promtool (Debian: prometheus) checks the alert rules, and
+# libsystemd-dev + pkg-config (and a C compiler) build systemd-python, the mlxpp[systemd] extra.
+# As root on Debian this installs what is missing; elsewhere it says what to install and those
+# tests skip, naming the package.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+missing=()
+command -v promtool >/dev/null || missing+=(prometheus)
+command -v pkg-config >/dev/null || missing+=(pkg-config)
+pkg-config --exists libsystemd 2>/dev/null || missing+=(libsystemd-dev)
+command -v cc >/dev/null || missing+=(gcc)
+if [ "${#missing[@]}" -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "test: installing ${missing[*]} with apt-get" >&2
+    apt-get update -qq
+    # --no-install-recommends: prometheus alone, not its exporters and web UI.
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      "${missing[@]}" >/dev/null
+    promtool --version >/dev/null  # the tests run it; fail here rather than skip there
+  else
+    echo "test: missing ${missing[*]} (Debian: sudo apt-get install ${missing[*]});" \
+         "the tests that need them will skip" >&2
+  fi
+fi
+
 bash scripts/setup.sh
+if pkg-config --exists libsystemd 2>/dev/null; then
+  # setup.sh installs mlxpp[test]; the journald and sd_notify tests also want systemd-python.
+  if ! .venv/bin/python -m pip --disable-pip-version-check install -q -e ".[test,systemd]"; then
+    echo "test: systemd-python did not build (it needs Python's headers too: Debian" \
+         "python3-dev); its tests will skip" >&2
+  fi
+fi
 export HF_HUB_OFFLINE=1  # tests never download from a model hub
 V=.venv/bin
 echo "== ruff" >&2;          $V/ruff check . && $V/ruff format --check .

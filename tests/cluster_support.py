@@ -63,7 +63,7 @@ def start_cluster(
     return RunningCluster(proc, ready.read_text().strip(), log_path, pids)
 
 
-def wait_gone(pids: list[int], timeout: float = 20.0) -> list[int]:
+def wait_gone(pids: list[int], timeout: float = 120.0) -> list[int]:
     """The pids still alive after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     alive = list(pids)

@@ -13,6 +13,13 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Before any test module imports mlx: compute on the optimized BLAS, as mlxppd does."""
+    from mlxppd.engine.blas import use_optimized_blas
+
+    use_optimized_blas()
+
+
 @pytest.fixture(scope="session")
 def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A model cache private to this test session (the user's ~/.cache is never touched)."""

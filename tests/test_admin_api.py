@@ -66,6 +66,8 @@ class ScriptedCluster:
                 "elastic_state": "idle",
                 "config_generation": "gen-7",
                 "last_reload_error": None,
+                "weights": "float32",
+                "blas": "OpenBLAS 0.3.21 (libopenblas.so.0, Haswell kernels, 2 threads)",
             }
             for i in range(stages)
         ]

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from mlxppd.engine.blas import blas_in_use
 from tests.agent_support import (
     CHAT,
     STREAM_AND_SIGNAL,
@@ -25,6 +26,7 @@ from tests.agent_support import (
     start_agent,
     wait_for_status,
 )
+from tests.reference_support import served_weights
 
 pytestmark = pytest.mark.slow
 
@@ -49,9 +51,11 @@ secret_file = "{secret}"
 @pytest.fixture(scope="module")
 def reference(embedded_model_dir: Path) -> dict[str, str]:
     """Single-process mlx-lm's greedy answers (16 tokens)."""
-    from mlx_lm import generate, load
+    from mlx_lm import generate
 
-    model, tokenizer = load(str(embedded_model_dir))
+    from tests.reference_support import load_reference
+
+    model, tokenizer = load_reference(embedded_model_dir)
     out = {}
     for q in (QUESTION, SECOND):
         prompt = tokenizer.apply_chat_template(
@@ -151,7 +155,7 @@ def test_agents_find_their_nodes_and_answer_like_mlx_lm(
     assert answer["body"]["choices"][0]["message"]["content"] == reference[QUESTION]
 
 
-def test_status_shows_every_stage(cluster: Cluster) -> None:
+def test_status_shows_every_stage(cluster: Cluster, embedded_model_dir: Path) -> None:
     document = cluster.status()
     assert document["health"] == "healthy", document
     generation = document["coordinator"]["config_generation"]
@@ -162,6 +166,9 @@ def test_status_shows_every_stage(cluster: Cluster) -> None:
         assert stage["process_alive"] and stage["transport_connected"]
         assert stage["config_generation"] == generation
         assert stage["last_reload_error"] is None
+        # The stage's own account of how it computes (the fast CPU path where it applies).
+        assert stage["weights"] == str(served_weights(embedded_model_dir))
+        assert stage["blas"] == str(blas_in_use())
 
 
 def test_new_layer_ranges_reconcile_without_restart(

@@ -102,6 +102,8 @@ def test_status_prints_the_badge_the_coordinator_and_a_card_per_stage(
     assert re.search(r"elastic state\s+idle", text)
     assert re.search(r"config generation\s+gen-7", text)
     assert re.search(r"last reload error\s+none", text)
+    assert re.search(r"weights\s+float32", text)
+    assert re.search(r"BLAS\s+OpenBLAS 0\.3\.21 \(libopenblas\.so\.0, Haswell kernels", text)
     assert SECRET.decode() not in text + proc.stderr
 
 

@@ -3,6 +3,9 @@
 Under a steady stream of requests an explicit repartition completes; every answer, before,
 during (after a Retry-After) and after, equals single-process mlx-lm's; a drain that times out
 ends in Failed with the old ranges serving; memory pressure fires once per cool-down.
+
+Nothing here races the wall clock: each step waits (with a generous deadline) for the state
+it needs, and the cool-down is either far longer than the test or zero.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from typing import Any
 import httpx
 import pytest
 
+from mlxppd.core.agent_desired import config_generation
+from mlxppd.core.cpu_weights import CpuWeights
 from tests.agent_support import (
     VENV_BIN,
     AgentProcess,
@@ -27,6 +32,7 @@ from tests.agent_support import (
     start_local_agent,
     wait_for_status,
 )
+from tests.reference_support import served_weights
 
 pytestmark = pytest.mark.slow
 
@@ -56,9 +62,11 @@ cool_down_s = {cool_down}
 
 @pytest.fixture(scope="module")
 def reference(embedded_model_dir: Path) -> dict[tuple[str, int], str]:
-    from mlx_lm import generate, load
+    from mlx_lm import generate
 
-    model, tokenizer = load(str(embedded_model_dir))
+    from tests.reference_support import load_reference
+
+    model, tokenizer = load_reference(embedded_model_dir)
     out = {}
     for q, n in [*((q, 16) for q in QUESTIONS), (LONG, 64)]:
         prompt = tokenizer.apply_chat_template(
@@ -75,6 +83,7 @@ class Cluster:
         self.env: dict[str, str] = {}
         self.url = f"http://127.0.0.1:{http}"
         self.secret = root / "cluster.secret"
+        self.generation = ""
 
     def write(self, *, drain: float = 60.0, fraction: float = 0.92, cool_down: float = 30.0,
               extra: str = "") -> None:  # fmt: skip
@@ -85,6 +94,18 @@ class Cluster:
             tmp = config_dir / "cluster.toml.tmp"
             tmp.write_text(text)
             os.replace(tmp, config_dir / "cluster.toml")
+        self.generation = config_generation(text.encode())
+
+    def wait_applied(self, timeout: float = 120) -> dict[str, Any]:
+        """Until every agent has the cluster.toml written last in force (policy included: an
+        agent sets the generation after everything the file describes)."""
+        return self.wait_status(
+            lambda d: (
+                d["coordinator"]["config_generation"] == self.generation
+                and all(s["config_generation"] == self.generation for s in d["stages"])
+            ),
+            timeout,
+        )
 
     def ctl(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -247,11 +268,37 @@ def test_a_bad_plan_is_refused_before_anything_drains(cluster: Cluster) -> None:
     assert cluster.status()["coordinator"]["elastic_state"] == "idle"
 
 
+def test_memory_budgets_are_checked_at_the_weights_the_stages_hold(
+    cluster: Cluster, embedded_model_dir: Path, reference: dict[tuple[str, int], str]
+) -> None:
+    """Stage 0 with layers 0-4 needs ~40 MiB in 4-bit weights but ~175 MiB in float32: a
+    100 MiB budget fits the one and not the other, and the plan is priced as the stages report
+    holding their weights."""
+    float32 = served_weights(embedded_model_dir) is CpuWeights.FLOAT32
+    assert {s["weights"] for s in cluster.status()["stages"]} == {
+        "float32" if float32 else "native"
+    }
+    done = cluster.ctl(
+        "repartition", "--pp-layers", "0-4,5-29", "--stage-memory", "100MiB,400MiB", "--wait"
+    )
+    last = done.stdout.splitlines()[-1]
+    if float32:
+        assert done.returncode == 1, done.stdout
+        assert "over its budget of 104857600" in last and "layers in force 0-14,15-29" in last
+    else:
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "layers in force 0-4,5-29" in last
+        assert cluster.ctl("repartition", "--pp-layers", "0-14,15-29", "--wait").returncode == 0
+    assert [s["layers"] for s in cluster.status()["stages"]] == ["0-14", "15-29"]
+    assert answer_of(cluster.chat(QUESTIONS[1])) == reference[(QUESTIONS[1], 16)]
+
+
 def test_drain_timeout_fails_and_the_old_ranges_keep_serving(
     cluster: Cluster, reference: dict[tuple[str, int], str]
 ) -> None:
-    cluster.write(drain=1.0)
-    time.sleep(3)  # the agents pick the new policy up (reconcile_interval_s = 1)
+    # A drain of 0.1 s: the long request is still in flight when it runs out.
+    cluster.write(drain=0.1)
+    cluster.wait_applied()
     result: dict[str, Any] = {}
     long = threading.Thread(target=lambda: result.update(r=cluster.chat(LONG, 64)))
     long.start()
@@ -271,51 +318,72 @@ def test_drain_timeout_fails_and_the_old_ranges_keep_serving(
     assert answer_of(cluster.chat(QUESTIONS[1])) == reference[(QUESTIONS[1], 16)]
     # Only an explicit trigger leaves Failed.
     cluster.write(drain=60.0)
-    time.sleep(3)
+    cluster.wait_applied()
     assert cluster.ctl("repartition", "--wait").returncode == 0
 
 
 def test_memory_pressure_fires_once_per_cool_down(
     cluster: Cluster, reference: dict[tuple[str, int], str]
 ) -> None:
-    """Runs right after an explicit repartition, so the cool-down is already running."""
-    started = time.monotonic()
-    cool_down = 30.0
-    # A 64-token request fills more than half of a stage's KV budget.
-    cluster.write(fraction=0.5, cool_down=cool_down, extra="kv_budget_bytes = 4000000")
-    cluster.wait_status(
-        lambda d: all(s["kv_budget_bytes"] == 4000000 for s in d["stages"]), timeout=60
-    )
+    """Runs right after an explicit repartition, so a cool-down is already running.
+
+    The cool-down is either an hour (it cannot run out during the test) or zero (it has run
+    out for sure), so the outcome never depends on how fast this machine is.
+    """
     fired = {"trigger": "memory_pressure", "outcome": "completed"}
+    waits = "waits for the cool-down"
 
     def fired_count() -> float:
         return cluster.metric("mlxpp_pp_repartition_events_total", **fired)
 
-    # Pressure within the cool-down of the last repartition: nothing fires.
-    assert answer_of(cluster.chat(LONG, 64)) == reference[(LONG, 64)]
-    assert time.monotonic() - started < cool_down, "too slow to test inside the cool-down"
-    time.sleep(1.5)
+    def configure(cool_down: float) -> None:
+        # A 64-token request fills more than half of a stage's KV budget. A drain of 600 s
+        # only bounds how long a repartition may wait for the request in flight.
+        cluster.write(
+            drain=600.0, fraction=0.5, cool_down=cool_down, extra="kv_budget_bytes = 4000000"
+        )
+        document = cluster.wait_applied()
+        assert all(s["kv_budget_bytes"] == 4000000 for s in document["stages"]), document
+
+    def pressure_until(seen: Any, what: str, deadline_s: float = 300) -> None:
+        """Send long requests (each under pressure while it runs; the coordinator looks
+        every second) until ``seen()``; a 503 means a repartition closed admission."""
+        deadline = time.monotonic() + deadline_s
+        while not seen():
+            assert time.monotonic() < deadline, f"no {what} within {deadline_s} s"
+            response = cluster.chat(LONG, 64)
+            if response.status_code == 503:
+                continue
+            assert answer_of(response) == reference[(LONG, 64)]
+
+    def pressure_event(d: dict[str, Any]) -> bool:
+        event = d["coordinator"]["last_repartition_event"] or {}
+        return event.get("trigger") == "memory_pressure"
+
+    # An hour's cool-down from the last repartition: pressure is seen and waits.
+    configure(cool_down=3600.0)
+    refusals = cluster.agents[0].log().count(waits)
+    pressure_until(lambda: cluster.agents[0].log().count(waits) > refusals, "refusal")
     assert fired_count() == 0.0
-    assert "waits for the cool-down" in cluster.agents[0].log()
+    assert not pressure_event(cluster.status())
 
-    # After the cool-down the same pressure fires, once.
-    time.sleep(max(0.0, cool_down + 1.0 - (time.monotonic() - started)))
-    assert answer_of(cluster.chat(LONG, 64)) == reference[(LONG, 64)]
-    cluster.wait_status(
-        lambda d: (
-            (d["coordinator"]["last_repartition_event"] or {}).get("trigger") == "memory_pressure"
-            and d["coordinator"]["elastic_state"] == "idle"
-        ),
-        timeout=60,
+    # No cool-down: the same pressure fires, once (nothing is sent once it has fired).
+    configure(cool_down=0.0)
+    pressure_until(lambda: pressure_event(cluster.status()), "repartition")
+    document = cluster.wait_status(
+        lambda d: pressure_event(d) and d["coordinator"]["elastic_state"] in ("idle", "failed"),
+        timeout=300,
     )
-    fired_at = time.monotonic()
+    event = document["coordinator"]["last_repartition_event"]
+    assert (event["outcome"], document["coordinator"]["elastic_state"]) == ("completed", "idle")
     assert fired_count() == 1.0
 
-    # And not again within the next cool-down.
-    assert answer_of(cluster.chat(LONG, 64)) == reference[(LONG, 64)]
-    assert time.monotonic() - fired_at < cool_down, "too slow to test inside the cool-down"
-    time.sleep(1.5)
+    # An hour's cool-down again, from that repartition: the pressure waits, it does not fire.
+    configure(cool_down=3600.0)
+    refusals = cluster.agents[0].log().count(waits)
+    pressure_until(lambda: cluster.agents[0].log().count(waits) > refusals, "refusal")
     assert fired_count() == 1.0
+    assert cluster.status()["coordinator"]["elastic_state"] == "idle"
 
 
 def test_a_restarted_stage_brings_the_cluster_back_to_the_files_ranges(

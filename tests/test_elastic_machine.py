@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from mlxppd.core.cluster_config import ElasticPolicy
@@ -71,6 +73,37 @@ def test_memory_pressure_respects_the_cool_down_and_explicit_bypasses_it() -> No
     assert begin(m, Trigger.MEMORY_PRESSURE, 129.9) is Rejection.COOL_DOWN
     assert not isinstance(begin(m, Trigger.EXPLICIT, 100.1), Rejection)
     assert not isinstance(begin(m, Trigger.MEMORY_PRESSURE, 130.0), Rejection)
+
+
+def test_memory_pressure_fires_once_per_cool_down() -> None:
+    """Pressure that never lets up, checked every second (as the driver does), starts one
+    repartition per cool-down; each takes 5 s and the cool-down runs from its end."""
+    m = idle()
+    fired: list[float] = []
+    for tick in range(200):
+        now = float(tick)
+        if m.state is ElasticState.DRAINING and now >= fired[-1] + 5.0:
+            m, _ = drained(m, now)
+            m, _ = planned(m, NEW, now)
+            m, _ = resumed(m, now)
+        step = begin(m, Trigger.MEMORY_PRESSURE, now)
+        if isinstance(step, Rejection):
+            busy = m.state is ElasticState.DRAINING
+            assert step is (Rejection.BUSY if busy else Rejection.COOL_DOWN), (now, step)
+            continue
+        m, event = step
+        assert event.trigger is Trigger.MEMORY_PRESSURE
+        fired.append(now)
+    assert fired == [0.0, 35.0, 70.0, 105.0, 140.0, 175.0]
+
+
+def test_the_cool_down_in_force_is_the_policys_now() -> None:
+    # The driver swaps in a reloaded policy; the cool-down already running is measured by it.
+    m = idle(finished_at=100.0)
+    longer = replace(m, policy=ElasticPolicy(enabled=True, cool_down_s=3600.0))
+    assert begin(longer, Trigger.MEMORY_PRESSURE, 3699.0) is Rejection.COOL_DOWN
+    none = replace(m, policy=ElasticPolicy(enabled=True, cool_down_s=0.0))
+    assert not isinstance(begin(none, Trigger.MEMORY_PRESSURE, 100.0), Rejection)
 
 
 def test_the_first_memory_pressure_needs_no_cool_down() -> None:

@@ -15,6 +15,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model
 
+from mlxppd.core.cpu_weights import CpuWeights
 from mlxppd.core.layer_ranges import parse_pp_layers
 from mlxppd.core.stages import stage_specs
 from mlxppd.engine.families import family_for, supported_families, wire_family
@@ -22,6 +23,7 @@ from mlxppd.engine.families.base import layer_index
 from mlxppd.engine.pipeline import InProcessPipeline
 from mlxppd.engine.stage import LoadedStage, load_stage
 from tests.family_cases import CASES, _resolve_text_configs
+from tests.reference_support import held_as
 
 try:  # the hybrid/Gemma 4 cases are written separately
     from tests.family_cases_hybrid import CASES as HYBRID_CASES
@@ -75,6 +77,31 @@ def test_family_parity_matrix(tiny_model: Callable[..., Path], family: str) -> N
                 layer_bytes += nbytes
             assert stage.parameter_bytes == sum(_params(stage).values())
         assert layer_bytes == ref_layer_bytes, "the stages' layers do not add up to the model's"
+
+
+QUANTIZED_CASES = sorted(name for name, (_, bits, _) in ALL_CASES.items() if bits is not None)
+
+
+@pytest.mark.parametrize("family", QUANTIZED_CASES)
+def test_family_float32_weights_match_mlx_lm_dequantized(
+    tiny_model: Callable[..., Path], family: str
+) -> None:
+    """The CPU fast path: a quantized checkpoint materialized in float32 at load, per stage,
+    decodes like mlx-lm's own ``dequantize_model`` + ``set_dtype(float32)`` of the whole model."""
+    config, bits, splits = ALL_CASES[family]
+    model_dir = tiny_model(f"family-{family}", config, quantize_bits=bits)
+    reference = held_as(load_model(model_dir)[0], CpuWeights.FLOAT32)
+    ref_tokens = [
+        int(t) for t, _ in generate_step(mx.array(PROMPT), reference, max_tokens=N_TOKENS)
+    ]
+    n_layers = family_for(config).num_layers(config)
+    specs = stage_specs(parse_pp_layers(splits[0], n_layers))
+    stages = [load_stage(model_dir, s, weights_mode=CpuWeights.FLOAT32) for s in specs]
+    for stage in stages:
+        dtypes = {v.dtype for _, v in tree_flatten(stage.net.model.parameters())}
+        assert mx.float32 in dtypes and not dtypes & {mx.float16, mx.bfloat16, mx.uint32}, dtypes
+    tokens = [step.token for step in InProcessPipeline(stages).generate(PROMPT, N_TOKENS)]
+    assert tokens == ref_tokens, f"{family} split {splits[0]} diverged in float32"
 
 
 def test_every_wire_family_has_a_case() -> None:

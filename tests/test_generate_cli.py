@@ -10,9 +10,10 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
-from mlx_lm.utils import load_model
 
+from mlxppd.engine.blas import blas_in_use
 from mlxppd.engine.tokenizer import encode_prompt, load_tokenizer
+from tests.reference_support import load_reference_model, served_weights
 
 MLXPPD = [sys.executable, "-m", "mlxppd.cli.mlxppd_main"]
 
@@ -33,7 +34,7 @@ def test_json_output_matches_mlx_lm_greedy(
 
     tokenizer = load_tokenizer(embedded_model_dir)
     prompt = encode_prompt(tokenizer, question, chat_template=True)
-    model, _ = load_model(embedded_model_dir)
+    model = load_reference_model(embedded_model_dir)
     reference = []
     for token, _ in generate_step(mx.array(prompt), model, max_tokens=64):
         if int(token) in tokenizer.eos_token_ids:
@@ -43,6 +44,9 @@ def test_json_output_matches_mlx_lm_greedy(
     assert got["text"] == tokenizer.decode(reference)
     # Progress and per-stage accounting go to stderr, never into the JSON.
     assert "stage 0/2: layers 0-14" in proc.stderr and "stage 1/2: layers 15-29" in proc.stderr
+    # It says how it computes: float32 weights on an optimized BLAS where this host has one.
+    assert f"weights: {served_weights(embedded_model_dir)}" in proc.stderr
+    assert f"BLAS: {blas_in_use()}" in proc.stderr
 
 
 def test_streams_the_answer_to_a_question(cli_env: dict[str, str]) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import threading
 import time
@@ -46,9 +48,11 @@ def urls(servers: dict[int, LiveServer]) -> dict[int, str]:
 def reference(servers: dict[int, LiveServer], embedded_model_dir: Path) -> Any:
     """``reference(messages, max_tokens)``: single-process mlx-lm's own greedy text."""
     server = servers[1]
-    from mlx_lm import generate, load
+    from mlx_lm import generate
 
-    model, tokenizer = server.on_mlx(lambda: load(str(embedded_model_dir)))
+    from tests.reference_support import load_reference
+
+    model, tokenizer = server.on_mlx(lambda: load_reference(embedded_model_dir))
     cache: dict[tuple[str, int], str] = {}
 
     def run(messages: list[dict[str, str]], max_tokens: int) -> str:
@@ -319,8 +323,32 @@ def kv_used(server: LiveServer) -> list[int]:
     return server.call(read())
 
 
-def test_client_disconnect_releases_kv_on_every_stage(servers: dict[int, LiveServer]) -> None:
+def test_client_disconnect_releases_kv_on_every_stage(
+    servers: dict[int, LiveServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
     server = servers[2]
+    # How the backend's generation ended: closed by the server with tokens still to come
+    # (the disconnect), or run to its end (max_tokens, or the server stopping at EOS).
+    yielded: list[int] = []
+    endings: list[str] = []
+    generate = server.backend.generate
+
+    async def watched(
+        request_id: str, prompt: list[int], params: SamplingParams
+    ) -> AsyncIterator[TokenEvent]:
+        ending = "exhausted"
+        try:
+            async with contextlib.aclosing(generate(request_id, prompt, params)) as events:
+                async for event in events:
+                    yielded.append(event.token)
+                    yield event
+        except (GeneratorExit, asyncio.CancelledError):
+            ending = "closed"
+            raise
+        finally:
+            endings.append(ending)
+
+    monkeypatch.setattr(server.backend, "generate", watched)
     url = server.start_app()
     body = {"messages": POEM, "temperature": 0, "max_tokens": 200}
     conn, response = open_stream(url, CHAT, body)
@@ -331,10 +359,15 @@ def test_client_disconnect_releases_kv_on_every_stage(servers: dict[int, LiveSer
     assert len(used) == 2 and all(u > 0 for u in used)
     response.close()
     conn.close()
-    deadline = time.monotonic() + 5
+    # Generous: only KV that is never released runs into the deadline.
+    deadline = time.monotonic() + 120
     while kv_used(server) != [0, 0] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert kv_used(server) == [0, 0]
+    # Released because the client left, not because the generation ended anyway.
+    assert endings == ["closed"]
+    assert len(yielded) < 200
+    assert yielded[-1] not in set(server.backend.tokenizer.eos_token_ids)
 
 
 class FailingBackend:

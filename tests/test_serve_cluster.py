@@ -29,9 +29,11 @@ QUESTIONS = [
 @pytest.fixture(scope="module")
 def reference(embedded_model_dir: Path) -> dict[str, str]:
     """Single-process mlx-lm's greedy answer to each question (max_tokens 16)."""
-    from mlx_lm import generate, load
+    from mlx_lm import generate
 
-    model, tokenizer = load(str(embedded_model_dir))
+    from tests.reference_support import load_reference
+
+    model, tokenizer = load_reference(embedded_model_dir)
     answers = {}
     for q in QUESTIONS:
         prompt = tokenizer.apply_chat_template(
@@ -173,7 +175,10 @@ def test_killing_a_stage_mid_stream_fails_the_stream_fast_and_leaves_nothing(
             kill(running.stage_pids[1])
             tail = [line for line in events if line]
             ended_after = time.monotonic() - killed_at
-        assert ended_after < 5.0
+        # Noticing the closed link takes milliseconds; a stream that waited for the client's
+        # 60 s read timeout instead would fail with ReadTimeout above. The bound is only far
+        # below that, not a measure of this machine's speed.
+        assert ended_after < 30.0
         errors = [json.loads(line[6:]) for line in tail if line.startswith("data: {")]
         assert any("error" in e for e in errors), tail[-3:]
         health = httpx.get(f"{running.url}/health", timeout=10)
@@ -263,7 +268,8 @@ def test_a_client_that_disconnects_frees_its_kv_on_every_stage(
             second = httpx.post(url, json={**body, "stream": False}, timeout=60)
             assert second.status_code == 503, second.text
         # The client is gone: its reservation is released on every stage, so it fits again.
-        deadline = time.monotonic() + 10
+        # (Generous: only a reservation that is never released runs into the deadline.)
+        deadline = time.monotonic() + 120
         while True:
             # Same reservation (prompt + 200 tokens); the stop string ends it early.
             again = httpx.post(url, json={**body, "stream": False, "stop": ["."]}, timeout=120)
@@ -271,5 +277,8 @@ def test_a_client_that_disconnects_frees_its_kv_on_every_stage(
                 break
             time.sleep(0.5)
         assert again.status_code == 200, again.text
+        # Freed because the client left, not because its generation ran to the end anyway.
+        cut = re.search(r"completion_tokens=(\d+) \(client closed the stream\)", running.log())
+        assert cut is not None and int(cut.group(1)) < 200, running.log()[-3000:]
     finally:
         assert running.stop() == 0, running.log()

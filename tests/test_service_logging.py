@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import io
 import logging
 import re
@@ -18,11 +18,14 @@ from mlxppd.runtime.service_logging import (
 )
 
 
-def _has_systemd_python() -> bool:
+def _systemd_journal() -> Any:
     try:
-        return importlib.util.find_spec("systemd.journal") is not None
+        return importlib.import_module("systemd.journal")
     except ImportError:
-        return False
+        pytest.skip(
+            "systemd-python is not installed: apt-get install libsystemd-dev pkg-config, "
+            "then pip install 'mlxpp[systemd]'"
+        )
 
 
 @pytest.fixture(autouse=True)
@@ -70,11 +73,12 @@ def test_calling_again_replaces_the_handler_it_installed() -> None:
     assert second.getvalue().count("once") == 1
 
 
-@pytest.mark.skipif(_has_systemd_python(), reason="systemd-python is installed here")
 def test_journal_stream_without_systemd_python_drops_the_timestamp_and_says_so() -> None:
     stream = io.StringIO()
     environ = {"JOURNAL_STREAM": "8:12345"}
-    assert configure_logging("info", environ=environ, stream=stream) == "stderr"
+    # systemd_python=False: as on a host without the mlxpp[systemd] extra.
+    destination = configure_logging("info", environ=environ, stream=stream, systemd_python=False)
+    assert destination == "stderr"
     logging.getLogger("mlxppd.agent").info("serving")
     lines = stream.getvalue().splitlines()
     assert lines[0].startswith("WARNING mlxppd.runtime.service_logging: systemd-python is not")
@@ -82,9 +86,41 @@ def test_journal_stream_without_systemd_python_drops_the_timestamp_and_says_so()
     assert lines[1] == "INFO mlxppd.agent: serving"
 
 
-@pytest.mark.skipif(not _has_systemd_python(), reason="systemd-python (mlxpp[systemd]) missing")
-def test_journal_stream_with_systemd_python_logs_to_journald() -> None:
-    assert configure_logging("info", environ={"JOURNAL_STREAM": "8:12345"}) == "journald"
+def test_journal_stream_with_systemd_python_logs_to_journald(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    journal = _systemd_journal()
+    real_send = journal.send
+    sent: list[tuple[str, dict[str, Any]]] = []
+    failures: list[BaseException] = []
+
+    def send(message: str, **fields: Any) -> Any:
+        sent.append((message, fields))
+        # The real libsystemd call: it checks the fields (and drops the message silently
+        # where no journald listens). The handler would swallow its error; keep it.
+        try:
+            return real_send(message, **fields)
+        except BaseException as exc:
+            failures.append(exc)
+            raise
+
+    monkeypatch.setattr(journal, "send", send)
+    stream = io.StringIO()
+    environ = {"JOURNAL_STREAM": "8:12345"}
+    destination = configure_logging(
+        "info", environ=environ, node_id="stage-1", role="pipeline_stage", stream=stream
+    )
+    assert destination == "journald"
+    logging.getLogger("mlxppd.agent").info("serving on %s", "127.0.0.1:8080")
+    assert stream.getvalue() == ""
+    assert failures == []
+    [(message, fields)] = [(m, f) for m, f in sent if f.get("LOGGER") == "mlxppd.agent"]
+    assert message == "serving on 127.0.0.1:8080"
+    assert fields["PRIORITY"] == "6"
+    assert fields["SYSLOG_IDENTIFIER"] == "mlxppd"
+    assert fields["MLXPP_NODE_ID"] == "stage-1"
+    assert fields["MLXPP_ROLE"] == "pipeline_stage"
+    assert fields["MLXPP_LOGGER"] == "mlxppd.agent"
 
 
 def _record(name: str = "mlxppd.agent", level: int = logging.INFO) -> logging.LogRecord:

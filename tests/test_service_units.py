@@ -104,7 +104,7 @@ def _verifiable_copy(directory: Path) -> Path:
 def test_systemd_analyze_verify_accepts_the_unit(tmp_path: Path) -> None:
     tool = shutil.which("systemd-analyze")
     if tool is None:
-        pytest.skip("systemd-analyze is not installed on this machine")
+        pytest.skip("systemd-analyze is not installed (Debian package 'systemd')")
     copy = _verifiable_copy(tmp_path)
     result = subprocess.run(
         [tool, "verify", str(copy)],

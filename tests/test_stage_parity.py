@@ -9,50 +9,65 @@ from typing import Any
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
-from mlx_lm.utils import load_model
 
+from mlxppd.core.cpu_weights import CpuWeights
 from mlxppd.core.layer_ranges import even_split, parse_pp_layers
 from mlxppd.core.stages import stage_specs
 from mlxppd.engine.pipeline import InProcessPipeline
 from mlxppd.engine.stage import load_stage
 from mlxppd.engine.tokenizer import encode_prompt, load_tokenizer
 from tests.conftest import TINY_LLAMA
+from tests.reference_support import load_reference_model
 
 MAX_TOKENS = 64
 
 
-def reference_tokens(model_dir: Path, prompt: list[int], n: int = MAX_TOKENS) -> list[int]:
-    model, _ = load_model(model_dir)
+def reference_tokens(
+    model_dir: Path,
+    prompt: list[int],
+    n: int = MAX_TOKENS,
+    weights: CpuWeights = CpuWeights.NATIVE,
+) -> list[int]:
+    model = load_reference_model(model_dir, weights)
     return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
 
 
 def pipeline_tokens(
-    model_dir: Path, ranges: Any, prompt: list[int], n: int = MAX_TOKENS
+    model_dir: Path,
+    ranges: Any,
+    prompt: list[int],
+    n: int = MAX_TOKENS,
+    weights: CpuWeights = CpuWeights.NATIVE,
 ) -> list[int]:
-    pipeline = InProcessPipeline([load_stage(model_dir, s) for s in stage_specs(ranges)])
-    return [step.token for step in pipeline.generate(prompt, n)]
+    stages = [load_stage(model_dir, s, weights_mode=weights) for s in stage_specs(ranges)]
+    assert all(stage.weights is weights for stage in stages)
+    return [step.token for step in InProcessPipeline(stages).generate(prompt, n)]
 
 
-@pytest.fixture(scope="module")
-def embedded_case(embedded_model_dir: Path) -> tuple[list[int], list[int]]:
+@pytest.fixture(scope="module", params=[CpuWeights.NATIVE, CpuWeights.FLOAT32], ids=str)
+def embedded_case(
+    embedded_model_dir: Path, request: pytest.FixtureRequest
+) -> tuple[CpuWeights, list[int], list[int]]:
+    """The 4-bit checkpoint as stored, and materialized in float32 (the CPU fast path)."""
+    weights = request.param
     tokenizer = load_tokenizer(embedded_model_dir)
     prompt = encode_prompt(tokenizer, "Tell me a story about a dragon.", chat_template=True)
-    reference = reference_tokens(embedded_model_dir, prompt)
+    reference = reference_tokens(embedded_model_dir, prompt, weights=weights)
     # A meaningful comparison needs a long, varied continuation with no early stop.
     assert len(reference) == MAX_TOKENS and len(set(reference)) > 20
-    return prompt, reference
+    return weights, prompt, reference
 
 
 @pytest.mark.parametrize("split", ["pp-size 2", "pp-size 3", "0-0,1-28,29-29"])
 def test_embedded_model_split_matches_mlx_lm(
-    embedded_model_dir: Path, embedded_case: tuple[list[int], list[int]], split: str
+    embedded_model_dir: Path, embedded_case: tuple[CpuWeights, list[int], list[int]], split: str
 ) -> None:
-    prompt, reference = embedded_case
+    weights, prompt, reference = embedded_case
     if split.startswith("pp-size"):
         ranges = even_split(30, int(split.split()[1]))
     else:
         ranges = parse_pp_layers(split, 30)
-    assert pipeline_tokens(embedded_model_dir, ranges, prompt) == reference
+    assert pipeline_tokens(embedded_model_dir, ranges, prompt, weights=weights) == reference
 
 
 TINY_VARIANTS: dict[str, tuple[dict[str, Any], int | None]] = {

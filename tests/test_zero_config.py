@@ -150,9 +150,11 @@ needs_netns = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def reference(embedded_model_dir: Path) -> str:
-    from mlx_lm import generate, load
+    from mlx_lm import generate
 
-    model, tokenizer = load(str(embedded_model_dir))
+    from tests.reference_support import load_reference
+
+    model, tokenizer = load_reference(embedded_model_dir)
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": QUESTION}], add_generation_prompt=True
     )

@@ -42,7 +42,7 @@ def config(node_id: str, **overrides: Any) -> WireConfig:
     return WireConfig(**settings)
 
 
-def run(factory: Callable[[], Coroutine[Any, Any, T]], timeout: float = 20.0) -> T:
+def run(factory: Callable[[], Coroutine[Any, Any, T]], timeout: float = 120.0) -> T:
     """Run a test scenario on a fresh event loop, bounded in time; fail on leaked tasks.
 
     The loop is the one mlxppd runs on (uvloop where installed); ``MLXPP_EVENT_LOOP=asyncio``
@@ -79,7 +79,7 @@ async def assert_serving(listener: Listener, backend: str = "tcp") -> None:
         await channel.close()
 
 
-async def eventually(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+async def eventually(condition: Callable[[], bool], timeout: float = 60.0) -> None:
     """Wait until ``condition()`` holds (the other end of a socket acts on its own time)."""
     async with asyncio.timeout(timeout):
         while not condition():

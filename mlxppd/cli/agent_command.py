@@ -9,11 +9,13 @@ import signal
 import sys
 from typing import Any
 
+from mlxppd.cli.common import cpu_weights_flag
+
 _AGENT_EPILOG = """\
 files in the config directory (default /etc/mlxpp, or MLXPP_CONFIG_DIR):
   cluster.toml   the cluster: the same file on every host (see etc/mlxpp/cluster.toml)
   mlxppd.toml    this host: node_id, model, secret_file, http_host, http_port, api_key,
-                 kv_budget_bytes, log_level, state_dir, ... (all optional)
+                 kv_budget_bytes, cpu_weights, log_level, state_dir, ... (all optional)
 precedence: flags > environment MLXPP_<FIELD> (e.g. MLXPP_HTTP_PORT) > mlxppd.toml > defaults
 
 The agent reconciles what runs with the files: at start, when a file changes, on SIGHUP,
@@ -40,6 +42,7 @@ def _config_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-host", help="coordinator HTTP listen address (default 127.0.0.1)")
     p.add_argument("--http-port", type=int, help="coordinator HTTP port (default 8080)")
     p.add_argument("--kv-budget-bytes", type=int, help="this stage's KV cache budget, bytes")
+    cpu_weights_flag(p, default=None)
     p.add_argument(
         "--log-level", choices=["debug", "info", "warning", "error"], help="default: info"
     )
@@ -125,6 +128,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "http_host": args.http_host,
         "http_port": args.http_port,
         "kv_budget_bytes": args.kv_budget_bytes,
+        "cpu_weights": args.cpu_weights,
         "log_level": args.log_level,
     }
 

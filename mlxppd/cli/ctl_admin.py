@@ -520,6 +520,8 @@ def render_status(document: Mapping[str, Any], badge: str, detail: str, *, dash:
             ),
             ("in flight", _text(stage.get("in_flight"))),
             ("KV cache", _kv(stage.get("kv_used_bytes"), stage.get("kv_budget_bytes"))),
+            ("weights", _text(stage.get("weights"))),
+            ("BLAS", _text(stage.get("blas"))),
             ("elastic state", _text(stage.get("elastic_state"))),
             ("config generation", _text(stage.get("config_generation"))),
             ("last reload error", _text(stage.get("last_reload_error"), none="none")),

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from mlxppd.core.cpu_weights import CpuWeights, held_config
 from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.layer_ranges import parse_pp_layers
 from mlxppd.core.model_profile import profile_from_config, read_model_config
@@ -62,6 +63,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         metavar="SIZES",
         help="memory budget per stage, e.g. 64GiB,16GiB (one size: every stage)",
     )
+    p.add_argument(
+        "--cpu-weights",
+        type=CpuWeights,
+        choices=list(CpuWeights),
+        default=CpuWeights.NATIVE,
+        metavar="{native,float32}",
+        help="price the weights as the stages hold them: native (as stored, default) or "
+        "float32 (a CPU host's fast path: quantized weights materialized in float32)",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.set_defaults(func=run)
 
@@ -85,7 +95,13 @@ def _model_config(model: str | None) -> tuple[dict[str, Any], str]:
 
 def plan_for(args: argparse.Namespace, config: dict[str, Any]) -> PartitionPlan:
     """The plan the flags ask for (pure: config in, plan out)."""
-    profile = profile_from_config(config)
+    weights = getattr(args, "cpu_weights", CpuWeights.NATIVE)
+    if weights is CpuWeights.AUTO:
+        raise ConfigurationError(
+            "auto depends on the host that loads the stage; plan native or float32",
+            source="--cpu-weights",
+        )
+    profile = profile_from_config(held_config(config, weights))
     if args.pp_layers is None and args.pp_size is None:
         raise ConfigurationError("give --pp-size N (or --pp-layers) to plan", source="--pp-size")
     if args.pp_layers is not None:

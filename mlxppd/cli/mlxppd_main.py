@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from mlxppd import __version__
 from mlxppd.cli import agent_command, serve_command
-from mlxppd.cli.common import run_guarded
+from mlxppd.cli.common import cpu_weights_flag, run_guarded
 
 _DESCRIPTION = """\
 mlxpp serves one MLX language model split by layers across several hosts.
@@ -60,6 +60,7 @@ def _generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="memory budget per stage, e.g. 8GiB,4GiB (one size: every stage); the auto "
         "partitioner keeps each stage within it, --pp-layers plans are checked against it",
     )
+    cpu_weights_flag(p)
     p.add_argument(
         "-v",
         "--verbose",
@@ -113,6 +114,7 @@ def _generate(args: argparse.Namespace) -> int:
         pp_size=args.pp_size,
         pp_layers=args.pp_layers,
         stage_memory=args.stage_memory,
+        cpu_weights=args.cpu_weights,
         verbose=args.verbose,
         chat_template=not args.no_chat_template,
         json_output=args.json,
@@ -129,17 +131,29 @@ def _models_path(args: argparse.Namespace) -> int:
     return 0
 
 
+def _on_fast_blas(body: Callable[[], int]) -> Callable[[], int]:
+    """Every mlxppd command computes with mlx: put the optimized BLAS under it first."""
+
+    def run() -> int:
+        from mlxppd.engine.blas import use_optimized_blas
+
+        use_optimized_blas()
+        return body()
+
+    return run
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "generate":
-        return run_guarded("mlxppd", lambda: _generate(args))
+        return run_guarded("mlxppd", _on_fast_blas(lambda: _generate(args)))
     if args.command == "models":
-        return run_guarded("mlxppd", lambda: _models_path(args))
+        return run_guarded("mlxppd", _on_fast_blas(lambda: _models_path(args)))
     if args.command is None:
         args = agent_command.default_args()
     func = args.func
-    code = run_guarded("mlxppd", lambda: int(func(args)))
+    code = run_guarded("mlxppd", _on_fast_blas(lambda: int(func(args))))
     if args.command in ("serve", "agent"):
         serve_command.exit_now(code)
     return code

@@ -10,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from mlxppd.cli.common import cpu_weights_flag
 from mlxppd.core.errors import ConfigurationError
 
 _EPILOG = """\
@@ -69,6 +70,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "ceil(--parallel / stages), the GPipe sizing that fills every stage "
         "(default 1: each sequence is its own micro-batch)",
     )
+    cpu_weights_flag(p, default=None)
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up request at start")
     p.add_argument("--alias", help="model name reported by /v1/models (default: directory name)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
@@ -304,6 +306,7 @@ def run(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         metrics_ready_file=args.metrics_ready_file,
         trace_path=args.debug_pp_trace,
+        cpu_weights=args.cpu_weights,
         elastic=tuple(elastic_overrides(args).items()),
     )
 

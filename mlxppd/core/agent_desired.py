@@ -112,5 +112,6 @@ def desired_state(
         port=node.port,
         transport=transport,
         kv_budget_bytes=host.kv_budget_bytes or cluster.cluster.kv_budget_bytes,
+        cpu_weights=host.cpu_weights or cluster.cluster.cpu_weights,
     )
     return DesiredState(node.id, generation, cluster.cluster.elastic, stage=stage)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mlxppd.core.cluster_config import ElasticPolicy
+from mlxppd.core.cpu_weights import CpuWeights
 from mlxppd.core.layer_ranges import LayerRange
 
 __all__ = [
@@ -47,12 +48,16 @@ class StageTarget:
     transport: str
     kv_budget_bytes: int | None = None
     """KV cache budget (bytes); None = unlimited"""
+    cpu_weights: CpuWeights = CpuWeights.AUTO
+    """how the stage holds its weights on a CPU host"""
 
     def same_layers(self, other: StageTarget) -> bool:
-        return (self.stage, self.num_stages, self.layers) == (
+        # A different weight mode means loading the layers again.
+        return (self.stage, self.num_stages, self.layers, self.cpu_weights) == (
             other.stage,
             other.num_stages,
             other.layers,
+            other.cpu_weights,
         )
 
     def same_endpoint(self, other: StageTarget) -> bool:

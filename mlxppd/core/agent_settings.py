@@ -21,6 +21,7 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from mlxppd.core.cluster_render import format_key_path, validation_error
+from mlxppd.core.cpu_weights import CpuWeightsField
 from mlxppd.core.errors import ConfigurationError
 
 __all__ = [
@@ -98,6 +99,11 @@ class HostSettings(BaseSettings):
         ge=1,
         description="KV cache budget of this host's stage in bytes; overrides "
         "[cluster] kv_budget_bytes.",
+    )
+    cpu_weights: CpuWeightsField | None = Field(
+        None,
+        description="How this host's stage holds its weights (auto, native, float32); "
+        "overrides [cluster] cpu_weights.",
     )
     memory_budget_bytes: int | None = Field(
         None,

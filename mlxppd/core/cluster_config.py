@@ -34,6 +34,7 @@ from mlxppd.core.cluster_render import (
     render_cluster_toml,
     validation_error,
 )
+from mlxppd.core.cpu_weights import CpuWeights, CpuWeightsField
 from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.layer_ranges import LayerRange, check_layer_ranges, even_split, parse_layer_range
 
@@ -164,6 +165,12 @@ class ClusterSection(_Strict):
         ge=1,
         description="KV cache budget of each stage in bytes; unset means no limit "
         "(--kv-budget-bytes overrides it).",
+    )
+    cpu_weights: CpuWeightsField = Field(
+        CpuWeights.AUTO,
+        description="How stages on CPU hosts hold their weights: float32 (materialized at "
+        "load; fast on an optimized BLAS, 8x the memory of 4-bit), native, or auto (float32 "
+        "where the host computes on the CPU with an optimized BLAS and it fits in memory).",
     )
 
     @field_validator("name")

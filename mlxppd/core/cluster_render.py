@@ -160,6 +160,8 @@ def render_cluster_toml(cfg: ClusterConfig) -> str:
         lines.append(f"layers = {_toml_value(c.layers)}")
     if c.kv_budget_bytes is not None:
         lines.append(f"kv_budget_bytes = {c.kv_budget_bytes}")
+    if c.cpu_weights != "auto":
+        lines.append(f"cpu_weights = {_toml_value(str(c.cpu_weights))}")
     lines += ["", "[cluster.elastic]"]
     for key in ("enabled", "drain_timeout_s", "pressure_fraction", "cool_down_s"):
         lines.append(f"{key} = {_toml_value(getattr(c.elastic, key))}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from mlxppd.core.cpu_weights import CpuWeights
 from mlxppd.core.errors import ConfigurationError
 
 
@@ -26,6 +27,9 @@ class GenerateSettings(BaseModel):
     )
     stage_memory: str | None = Field(
         None, description="memory budget per stage, '64GiB,16GiB'; one size for all stages"
+    )
+    cpu_weights: CpuWeights = Field(
+        CpuWeights.AUTO, description="weights on a CPU host: auto, native or float32"
     )
     verbose: bool = Field(False, description="log the partition quality report once loaded")
     chat_template: bool = Field(True, description="wrap the prompt in the model's chat template")

@@ -15,8 +15,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from mlxppd.core.cpu_weights import CpuWeights
 from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.stages import StageSpec
+from mlxppd.engine.cpu_weights import float32_weights, resolve_for_stage
 from mlxppd.engine.families import family_for
 from mlxppd.engine.families.base import StageNet
 from mlxppd.engine.model_files import load_tensors, read_config
@@ -34,6 +36,10 @@ class LoadedStage:
     """tensors read from the checkpoint for this stage"""
     reused_tensors: int = 0
     """tensors taken over from the stage it replaced (a repartition keeps its layers)"""
+    weights: CpuWeights = CpuWeights.NATIVE
+    """native: as the checkpoint stores them; float32: materialized in float32 at load"""
+    weights_reason: str = "native"
+    """why this weight mode, for the log"""
 
     def make_cache(self) -> list[Any]:
         return self.net.make_cache()
@@ -73,12 +79,15 @@ def load_stage(
     config: dict[str, Any] | None = None,
     *,
     reuse: LoadedStage | None = None,
+    weights_mode: CpuWeights = CpuWeights.NATIVE,
 ) -> LoadedStage:
     """Build the stage's module and load only the tensors it owns.
 
     ``reuse``: the stage this one replaces (a repartition). Tensors it already holds under the
     same name are taken over as they are (names carry global layer indices), so only the layers
     gained are read; the layers lost go when ``reuse`` is dropped.
+    ``weights_mode``: FLOAT32 dequantizes and casts the stage's tensors to float32; AUTO picks
+    it on a CPU host with an optimized BLAS and room for it (``engine.cpu_weights``).
     """
     config = config or read_config(model_dir)
     family = family_for(config)
@@ -90,6 +99,7 @@ def load_stage(
             source="--pp-layers",
         )
     family.check_split(config, spec)
+    weights_mode, weights_reason = resolve_for_stage(weights_mode, config, spec)
 
     model_class, args_class = model_classes(config)
     model = model_class(args_class.from_dict(config))
@@ -100,7 +110,12 @@ def load_stage(
         weights = model.sanitize(weights)
     family.prune(model, spec)
 
-    if config.get("quantization") or config.get("quantization_config"):
+    quantized = bool(config.get("quantization") or config.get("quantization_config"))
+    if weights_mode is CpuWeights.FLOAT32:
+        # The model keeps plain float modules; the packed tensors become float32 matrices.
+        rule = (lambda p, m: _quant_params(config, p, m, weights)) if quantized else _never
+        weights = float32_weights(model, weights, rule)
+    elif quantized:
         nn.quantize(model, class_predicate=lambda p, m: _quant_params(config, p, m, weights))
 
     flat = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
@@ -142,4 +157,10 @@ def load_stage(
         parameter_bytes=nbytes,
         loaded_tensors=len(expected) - reused,
         reused_tensors=reused,
+        weights=weights_mode,
+        weights_reason=weights_reason,
     )
+
+
+def _never(_path: str, _module: nn.Module) -> bool:
+    return False

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxppd.core.agent_plan import StageAddress
+from mlxppd.core.cpu_weights import CpuWeights, float32_config
 from mlxppd.core.elastic import policy_with
 from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.layer_ranges import LayerRange
@@ -106,12 +107,14 @@ async def run_coordinator_node(options: NodeOptions) -> int:
     gate.coordinator = coordinator
     assert coordinator.plan is not None
     model_dir = resolve_model_dir(options.model)
+    config = read_config(model_dir)
     driver = ElasticDriver(
         policy,
         coordinator.plan,
-        profile_from_config(read_config(model_dir)),
+        profile_from_config(config),
         gate,
         metrics=coordinator.metrics,
+        float32_profile=profile_from_config(float32_config(config)),
     )
     stages = tuple(StageAddress(n.id, n.host, n.port) for n in cluster.stage_nodes())
     http = f"{options.host}:{options.port}"
@@ -224,6 +227,7 @@ async def run_inprocess(options: NodeOptions, model_dir: Path) -> int:
             options.alias or model_dir.name,
             kv_budget_bytes=options.kv_budget_bytes,
             max_sequences=options.max_sequences,
+            cpu_weights=options.cpu_weights or CpuWeights.AUTO,
         )
         await backend.start()
         if options.once_prompt is not None:
@@ -239,7 +243,13 @@ def run_local_cluster(template: NodeOptions, ranges: tuple[LayerRange, ...]) -> 
     """Start the stages, then the coordinator here; stop everything on exit or failure."""
     if len(ranges) < 2:
         raise ConfigurationError("a local cluster needs at least 2 stages", source="--pp-size")
-    cluster = LocalCluster(template.model, ranges, template.kv_budget_bytes, template.max_sequences)
+    cluster = LocalCluster(
+        template.model,
+        ranges,
+        template.kv_budget_bytes,
+        template.max_sequences,
+        cpu_weights=str(template.cpu_weights) if template.cpu_weights is not None else None,
+    )
     try:
         cluster.start_stages()
         return event_loop.run(run_coordinator_node(cluster.node_options(template)))

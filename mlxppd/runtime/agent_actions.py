@@ -35,6 +35,7 @@ from mlxppd.core.agent_plan import (
 )
 from mlxppd.core.agent_settings import HostSettings
 from mlxppd.core.cluster_config import ClusterConfig, ElasticPolicy
+from mlxppd.core.cpu_weights import float32_config
 from mlxppd.core.errors import TemporaryError
 from mlxppd.core.model_profile import profile_from_config
 from mlxppd.core.stages import StageSpec
@@ -156,13 +157,20 @@ class NodeRuntime:
 
     async def _start_stage(self, target: StageTarget, ctx: AgentContext) -> None:
         spec = _spec(target)
-        runner, per_token = await load_stage_runner(self.mlx, ctx.model_dir, spec, ctx.model_config)
+        runner, per_token = await load_stage_runner(
+            self.mlx, ctx.model_dir, spec, ctx.model_config, weights=target.cpu_weights
+        )
         kv = stage_kv_manager(spec, per_token, target.kv_budget_bytes, MAX_STAGE_SEQUENCES)
         transport = create_transport(
             target.transport, wire_config_for(ctx.cluster, target.node_id, ctx.secret)
         )
         prepare = layer_preparer(
-            self.mlx, ctx.model_dir, ctx.model_config, target.kv_budget_bytes, MAX_STAGE_SEQUENCES
+            self.mlx,
+            ctx.model_dir,
+            ctx.model_config,
+            target.kv_budget_bytes,
+            MAX_STAGE_SEQUENCES,
+            target.cpu_weights,
         )
         worker = StageWorker(
             spec, runner, kv, transport, self.mlx, extras=self._stage_extras, prepare_layers=prepare
@@ -199,7 +207,12 @@ class NodeRuntime:
         try:
             spec = _spec(target)
             runner, per_token = await load_stage_runner(
-                self.mlx, ctx.model_dir, spec, ctx.model_config, reuse=worker.runner
+                self.mlx,
+                ctx.model_dir,
+                spec,
+                ctx.model_config,
+                reuse=worker.runner,
+                weights=target.cpu_weights,
             )
             kv = stage_kv_manager(spec, per_token, target.kv_budget_bytes, MAX_STAGE_SEQUENCES)
             loaded = time.monotonic()
@@ -212,6 +225,7 @@ class NodeRuntime:
             num_stages=target.num_stages,
             layers=target.layers,
             kv_budget_bytes=target.kv_budget_bytes,
+            cpu_weights=target.cpu_weights,
         )
         self.last_reload = {
             "layers": f"{target.layers.start}-{target.layers.last}",
@@ -249,6 +263,7 @@ class NodeRuntime:
                 profile_from_config(ctx.model_config),
                 self.backend,
                 metrics=self.metrics,
+                float32_profile=profile_from_config(float32_config(ctx.model_config)),
             )
             self._driver_stop = asyncio.Event()
             self._pressure = asyncio.create_task(

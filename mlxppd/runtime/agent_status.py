@@ -140,6 +140,8 @@ def _card(
         "config_generation": get("config_generation"),
         "last_reload_error": get("last_reload_error"),
         "memory_budget_bytes": get("memory_budget_bytes"),
+        "weights": get("weights"),
+        "blas": get("blas"),
     }
 
 

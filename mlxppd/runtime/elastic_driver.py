@@ -66,9 +66,12 @@ class ElasticDriver:
         metrics: PipelineMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         poll_s: float = 0.1,
+        float32_profile: ModelProfile | None = None,
     ) -> None:
         self.machine = ElasticMachine(policy, ranges)
         self.profile = profile
+        #: the model priced in float32, for plans over stages that hold float32 weights
+        self.float32_profile = float32_profile
         self.gate = gate
         self.metrics = metrics
         self._clock = clock
@@ -222,20 +225,25 @@ class ElasticDriver:
     ) -> tuple[LayerRange, ...]:
         n = len(self.machine.ranges)
         budgets: list[int | None]
+        reports = await coordinator.stage_reports()
+        by_stage = {int(r["stage"]): r for r in reports.values() if r is not None}
+        # A stage holding float32 weights costs what the float32 pricing says; one such stage
+        # prices the plan in float32 (never under-priced; native stages get slack).
+        profile = self.profile
+        if self.float32_profile is not None and any(
+            r.get("weights") == "float32" for r in by_stage.values()
+        ):
+            profile = self.float32_profile
         if stage_memory is not None:
             if len(stage_memory) != n:
                 raise RepartitionFailed(f"{len(stage_memory)} memory budgets for {n} stages")
             budgets = list(stage_memory)
         else:
             # Each stage's budget as its node reports it (None: unlimited).
-            reports = await coordinator.stage_reports()
-            by_stage = {int(r["stage"]): r for r in reports.values() if r is not None}
             budgets = [by_stage.get(i, {}).get("memory_budget_bytes") for i in range(n)]
         if pp_layers is not None:
-            ranges = parse_pp_layers(
-                pp_layers, self.profile.num_layers, self.profile.adjacency_groups
-            )
-            plan = plan_layers(self.profile, ranges, budgets)
+            ranges = parse_pp_layers(pp_layers, profile.num_layers, profile.adjacency_groups)
+            plan = plan_layers(profile, ranges, budgets)
             over = [s for s in plan.stages if s.shortfall_bytes]
             if over:
                 s0 = over[0]
@@ -244,7 +252,7 @@ class ElasticDriver:
                     f"{s0.stage_index}, over its budget of {s0.budget_bytes}"
                 )
             return tuple(ranges)
-        return tuple(balance_layers(self.profile, n, budgets).ranges)
+        return tuple(balance_layers(profile, n, budgets).ranges)
 
     async def _resume(self, coordinator: Coordinator, target: tuple[LayerRange, ...]) -> None:
         replies = await coordinator.reassign("prepare", target, PREPARE_TIMEOUT_S)

@@ -12,6 +12,7 @@ from typing import TextIO
 
 import mlx.core as mx
 
+from mlxppd.core.cpu_weights import CpuWeights, held_config
 from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.generate_settings import GenerateSettings
 from mlxppd.core.layer_ranges import format_pp_layers, parse_pp_layers
@@ -24,6 +25,8 @@ from mlxppd.core.partition import (
 )
 from mlxppd.core.partition_quality import quality_report
 from mlxppd.core.stages import StageSpec, stage_specs
+from mlxppd.engine.blas import blas_in_use
+from mlxppd.engine.cpu_weights import resolve_for_process
 from mlxppd.engine.families import family_for, single_process_reason
 from mlxppd.engine.model_files import read_config, resolve_model_dir
 from mlxppd.engine.pipeline import InProcessPipeline, make_sampler
@@ -67,15 +70,20 @@ def plan_stages(
     return balance_layers(profile, num_stages, budgets)
 
 
-def load_pipeline(model_dir: Path, specs: tuple[StageSpec, ...], log: Log) -> InProcessPipeline:
+def load_pipeline(
+    model_dir: Path,
+    specs: tuple[StageSpec, ...],
+    log: Log,
+    weights: CpuWeights = CpuWeights.NATIVE,
+) -> InProcessPipeline:
     config = read_config(model_dir)
     stages: list[LoadedStage] = []
     for spec in specs:
         started = time.perf_counter()
-        stage = load_stage(model_dir, spec, config)
+        stage = load_stage(model_dir, spec, config, weights_mode=weights)
         log(
             f"stage {spec.index}/{spec.num_stages}: layers {spec.start}-{spec.end - 1}, "
-            f"{stage.parameter_bytes / 1e6:.1f} MB of parameters, "
+            f"{stage.parameter_bytes / 1e6:.1f} MB of {stage.weights} parameters, "
             f"loaded in {time.perf_counter() - started:.2f} s"
         )
         stages.append(stage)
@@ -90,7 +98,9 @@ def run_generate(
     model_dir = resolve_model_dir(settings.model, progress=say)
     config = read_config(model_dir)
     num_layers = family_for(config).num_layers(config)
-    profile = profile_from_config(config)
+    weights, why = resolve_for_process(settings.cpu_weights, config)
+    # The plan prices the weights as the stages will hold them.
+    profile = profile_from_config(held_config(config, weights))
     if profile.num_layers != num_layers:
         raise RuntimeError(
             f"the model profile counts {profile.num_layers} layers but the stage executor "
@@ -99,9 +109,10 @@ def run_generate(
     plan = plan_stages(settings, profile, single_process_reason(config))
     how = "auto-partitioned by bytes" if plan.auto else "from --pp-layers"
     say(f"model {model_dir} ({num_layers} layers), stages {format_pp_layers(plan.ranges)} ({how})")
+    say(f"weights: {why}; BLAS: {blas_in_use()}")
     for warning in plan.warnings:
         say(f"warning: {warning}")
-    pipeline = load_pipeline(model_dir, stage_specs(plan.ranges), say)
+    pipeline = load_pipeline(model_dir, stage_specs(plan.ranges), say, weights)
     if settings.verbose:
         loaded = [stage.parameter_bytes for stage in pipeline.stages]
         say(quality_report(plan).with_actual(loaded).format())

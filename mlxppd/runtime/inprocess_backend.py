@@ -11,9 +11,11 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from mlxppd.core.cpu_weights import CpuWeights
 from mlxppd.core.kv_admission import AdmissionRequest, StageKvManager, coordinated_admission
 from mlxppd.core.layer_ranges import LayerRange
 from mlxppd.core.stages import stage_specs
+from mlxppd.engine.cpu_weights import resolve_for_process
 from mlxppd.engine.families.base import text_config
 from mlxppd.engine.kv_sizing import kv_bytes_per_token
 from mlxppd.engine.model_files import read_config
@@ -42,7 +44,9 @@ class InProcessBackend:
         model_id: str,
         kv_budget_bytes: int | None = None,
         max_sequences: int = 64,
+        cpu_weights: CpuWeights = CpuWeights.AUTO,
     ) -> None:
+        self._weights = cpu_weights
         self._model_dir = model_dir
         self._ranges = tuple(ranges)
         self._mlx = mlx
@@ -57,7 +61,11 @@ class InProcessBackend:
     async def start(self) -> None:
         def load() -> tuple[InProcessPipeline, Any, list[int]]:
             config = read_config(self._model_dir)
-            stages = [load_stage(self._model_dir, s, config) for s in stage_specs(self._ranges)]
+            weights, _ = resolve_for_process(self._weights, config)
+            stages = [
+                load_stage(self._model_dir, s, config, weights_mode=weights)
+                for s in stage_specs(self._ranges)
+            ]
             hidden = int(text_config(config)["hidden_size"])
             per_token = [kv_bytes_per_token(s, hidden) for s in stages]
             return InProcessPipeline(stages), load_tokenizer(self._model_dir), per_token

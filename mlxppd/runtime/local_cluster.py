@@ -73,6 +73,7 @@ class LocalCluster:
     ranges: tuple[LayerRange, ...]
     kv_budget_bytes: int | None = None
     max_batch_size: int | None = None
+    cpu_weights: str | None = None
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="mlxpp-local-")))
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
@@ -95,6 +96,8 @@ class LocalCluster:
             cmd += ["--max-batch-size", str(self.max_batch_size)]
         if self.kv_budget_bytes is not None:
             cmd += ["--kv-budget-bytes", str(self.kv_budget_bytes)]
+        if self.cpu_weights is not None:
+            cmd += ["--cpu-weights", self.cpu_weights]
         return cmd
 
     def start_stages(self) -> None:

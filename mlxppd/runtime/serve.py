@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 
 from mlxppd.core.agent_desired import cluster_layer_plan
 from mlxppd.core.cluster_config import ClusterConfig, NodeRole, load_cluster_config
+from mlxppd.core.cpu_weights import CpuWeights
 from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.stages import StageSpec
 from mlxppd.engine.model_files import read_config, resolve_model_dir
@@ -59,6 +60,8 @@ class NodeOptions:
     metrics_port: int | None = None
     metrics_ready_file: Path | None = None
     trace_path: Path | None = None
+    cpu_weights: CpuWeights | None = None
+    """--cpu-weights; None: the cluster TOML's [cluster] cpu_weights"""
     elastic: tuple[tuple[str, Any], ...] = ()
     """the --enable-elastic-pp / --elastic-pp-* flags given, as (policy key, value) pairs"""
 
@@ -110,7 +113,8 @@ async def run_stage_node(options: NodeOptions) -> int:
     spec = StageSpec(node.stage, len(ranges), layers.start, layers.end)
     mlx = MlxThread(f"mlx-stage{node.stage}")
     try:
-        runner, per_token = await load_stage_runner(mlx, model_dir, spec, config)
+        weights = options.cpu_weights or cluster.cluster.cpu_weights
+        runner, per_token = await load_stage_runner(mlx, model_dir, spec, config, weights=weights)
         kv = stage_kv_manager(
             spec,
             per_token,
@@ -121,7 +125,7 @@ async def run_stage_node(options: NodeOptions) -> int:
             cluster.cluster.transport_backend, wire_config_for(cluster, node.id, secret)
         )
         budget = options.kv_budget_bytes or cluster.cluster.kv_budget_bytes
-        prepare = layer_preparer(mlx, model_dir, config, budget, options.max_sequences)
+        prepare = layer_preparer(mlx, model_dir, config, budget, options.max_sequences, weights)
         worker = StageWorker(spec, runner, kv, transport, mlx, prepare_layers=prepare)
         stop = stop_event()
         address = await worker.start(node.host, node.port)

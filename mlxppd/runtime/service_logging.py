@@ -124,11 +124,13 @@ def configure_logging(
     node_id: str | None = None,
     role: str | None = None,
     stream: TextIO | None = None,
+    systemd_python: bool = True,
 ) -> str:
     """Set up the root logger for the agent; returns ``"journald"`` or ``"stderr"``.
 
     Calling it again (a reload changed the level or the node id) replaces the handler it
-    installed before. ``stream`` defaults to ``sys.stderr`` at call time.
+    installed before. ``stream`` defaults to ``sys.stderr`` at call time. ``systemd_python``
+    False logs as if systemd-python were not installed.
     """
     try:
         numeric = _LEVELS[level.lower()]
@@ -140,7 +142,7 @@ def configure_logging(
         old.close()
 
     journal_stream = bool(environ.get("JOURNAL_STREAM"))
-    send = _journal_send() if journal_stream else None
+    send = _journal_send() if journal_stream and systemd_python else None
     handler: logging.Handler
     if send is not None:
         handler = JournaldHandler(send)

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from mlxppd.core.cpu_weights import CpuWeights
 from mlxppd.core.kv_admission import StageKvManager
 from mlxppd.core.stages import StageSpec
+from mlxppd.engine.blas import blas_in_use
 from mlxppd.engine.families.base import text_config
 from mlxppd.engine.kv_sizing import kv_bytes_per_token
 from mlxppd.engine.stage import load_stage
 from mlxppd.engine.stage_runner import StageRunner
 from mlxppd.runtime.mlx_thread import MlxThread
+
+log = logging.getLogger("mlxppd.stage")
 
 #: a KV budget that never binds (no budget configured)
 UNLIMITED_BYTES = 1 << 62
@@ -34,6 +39,7 @@ async def load_stage_runner(
     config: dict[str, Any],
     *,
     reuse: StageRunner | None = None,
+    weights: CpuWeights = CpuWeights.AUTO,
 ) -> tuple[StageRunner, int]:
     """The stage's runner and its KV bytes per token, loaded on the mlx thread.
 
@@ -42,7 +48,12 @@ async def load_stage_runner(
 
     def load() -> tuple[StageRunner, int]:
         old = reuse.stage if reuse is not None else None
-        stage = load_stage(model_dir, spec, config, reuse=old)
+        stage = load_stage(model_dir, spec, config, reuse=old, weights_mode=weights)
+        log.info(
+            "stage %d: layers %d-%d, %.1f MB of parameters, weights %s, BLAS %s",
+            spec.index, spec.start, spec.end - 1, stage.parameter_bytes / 1e6,
+            stage.weights_reason, blas_in_use(),
+        )  # fmt: skip
         per_token = kv_bytes_per_token(stage, int(text_config(config)["hidden_size"]))
         return StageRunner(stage), per_token
 
@@ -55,6 +66,7 @@ def layer_preparer(
     config: dict[str, Any],
     budget_bytes: int | None,
     max_sequences: int,
+    weights: CpuWeights = CpuWeights.AUTO,
 ) -> Callable[
     [StageSpec, StageRunner], Awaitable[tuple[StageRunner, StageKvManager, dict[str, Any]]]
 ]:
@@ -64,7 +76,9 @@ def layer_preparer(
         spec: StageSpec, current: StageRunner
     ) -> tuple[StageRunner, StageKvManager, dict[str, Any]]:
         started = time.monotonic()
-        runner, per_token = await load_stage_runner(mlx, model_dir, spec, config, reuse=current)
+        runner, per_token = await load_stage_runner(
+            mlx, model_dir, spec, config, reuse=current, weights=weights
+        )
         kv = stage_kv_manager(spec, per_token, budget_bytes, max_sequences)
         report = {
             "layers": [spec.start, spec.end],

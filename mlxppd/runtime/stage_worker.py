@@ -41,6 +41,7 @@ from mlxppd.core.pipeline_messages import (
 )
 from mlxppd.core.stage_accounting import ActivityClock, LatencyHistogram
 from mlxppd.core.stages import StageSpec
+from mlxppd.engine.blas import blas_in_use
 from mlxppd.engine.stage_runner import StageRunner
 from mlxppd.engine.wire_tensors import from_wire, to_wire
 from mlxppd.runtime.mlx_thread import MlxThread
@@ -287,6 +288,9 @@ class StageWorker:
                     raise ProtocolViolation("commit without a prepared plan")
                 spec, runner, kv = self._staged
                 self._staged = None
+                # The KV budget belongs to the node, not to its layers: the one in force now
+                # (a reload may have changed it since this stage started) carries over.
+                kv.budget_bytes = self.kv.budget_bytes
                 await self.swap(spec, runner, kv)
                 self.elastic_state = "idle"
             else:
@@ -337,6 +341,8 @@ class StageWorker:
             "stage": self.spec.index,
             "layers": [self.spec.start, self.spec.end],
             "parameter_bytes": self.runner.stage.parameter_bytes,
+            "weights": str(self.runner.stage.weights),
+            "blas": str(blas_in_use()),
             "kv_used_bytes": self.kv.used_bytes,
             "kv_budget_bytes": self.kv.budget_bytes,
             "active_sequences": len(self.kv.reserved),

@@ -1,0 +1,47 @@
+"""Single-process mlx-lm references that hold their weights as the served stages do.
+
+Parity is always against mlx-lm running the same weights: where the product's default
+(``cpu_weights = auto``) materializes float32 on this host, the reference is mlx-lm's own
+``dequantize_model`` then ``set_dtype(float32)``; elsewhere it is the checkpoint as stored.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from mlxppd.core.cpu_weights import CpuWeights
+from mlxppd.engine.cpu_weights import resolve_for_process
+from mlxppd.engine.model_files import read_config
+
+
+def served_weights(model_dir: Path, mode: CpuWeights = CpuWeights.AUTO) -> CpuWeights:
+    """The weight mode ``mode`` resolves to for this model on this host."""
+    return resolve_for_process(mode, read_config(model_dir))[0]
+
+
+def held_as(model: Any, weights: CpuWeights) -> Any:
+    """mlx-lm's model converted the way a stage in ``weights`` mode holds it (in place)."""
+    import mlx.core as mx
+    from mlx_lm.utils import dequantize_model
+
+    if weights is CpuWeights.FLOAT32:
+        dequantize_model(model)
+        model.set_dtype(mx.float32)
+    return model
+
+
+def load_reference(model_dir: Path, mode: CpuWeights = CpuWeights.AUTO) -> tuple[Any, Any]:
+    """``mlx_lm.load`` of ``model_dir``, holding its weights as a served stage does."""
+    from mlx_lm import load
+
+    model, tokenizer = load(str(model_dir))
+    return held_as(model, served_weights(model_dir, mode)), tokenizer
+
+
+def load_reference_model(model_dir: Path, mode: CpuWeights = CpuWeights.AUTO) -> Any:
+    """``mlx_lm.utils.load_model`` of ``model_dir``, held as a served stage does."""
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(model_dir)
+    return held_as(model, served_weights(model_dir, mode))
