@@ -9,11 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from mlxppd.core.cpu_weights import CpuWeights
 from mlxppd.core.generate_settings import GenerateSettings
 from mlxppd.core.layer_ranges import LayerRange, format_pp_layers
 from mlxppd.core.model_profile import profile_from_config, read_model_config
 from mlxppd.core.partition import balance_layers
 from mlxppd.runtime.generate import plan_stages
+from tests.reference_support import served_weights
 from tests.test_model_profile_cases import CASES
 from tests.test_partition import GEMMA4_E2B
 
@@ -48,7 +50,10 @@ def test_a_family_refused_for_pipelines_is_refused_with_more_than_one_stage() ->
 
 
 def test_verbose_logs_the_quality_report_with_loaded_bytes(cli_env: dict[str, str]) -> None:
-    proc = mlxppd("generate", "--pp-size", "3", "-v", "-n", "4", "--json", "-p", "Hi", env=cli_env)
+    proc = mlxppd(
+        "generate", "--pp-size", "3", "--cpu-weights", "native", "-v", "-n", "4", "--json",
+        "-p", "Hi", env=cli_env,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["tokens"]
     err = proc.stderr.splitlines()
@@ -96,3 +101,18 @@ def test_stage_memory_shapes_the_plan(embedded_model_dir: Path, cli_env: dict[st
     # Stage 1 (50 MiB) cannot take half of the blocks next to its copy of the tied table.
     assert plan.ranges[1].count < 15
     assert f"stages {format_pp_layers(plan.ranges)} (auto-partitioned by bytes)" in proc.stderr
+    # Float32 weights (~310 MiB a stage) would not fit: auto keeps the 4-bit checkpoint, and
+    # says so, rather than refusing budgets the checkpoint fits.
+    if served_weights(embedded_model_dir) is CpuWeights.FLOAT32:
+        assert "weights: native (auto: float32 weights do not fit --stage-memory)" in proc.stderr
+
+
+def test_float32_weights_asked_for_must_fit_the_budgets(
+    embedded_model_dir: Path, cli_env: dict[str, str]
+) -> None:
+    flags = ("--pp-size", "2", "--stage-memory", "80MiB,50MiB", "-n", "2", "-p", "Hi")
+    proc = mlxppd("generate", *flags, "--cpu-weights", "float32", env=cli_env)
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("mlxppd: error: --stage-memory: the model does not fit")
+    assert "2 stages need at least 621.1 MiB" in line

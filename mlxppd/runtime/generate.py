@@ -99,6 +99,7 @@ def run_generate(
     config = read_config(model_dir)
     num_layers = family_for(config).num_layers(config)
     weights, why = resolve_for_process(settings.cpu_weights, config)
+    refusal = single_process_reason(config)
     # The plan prices the weights as the stages will hold them.
     profile = profile_from_config(held_config(config, weights))
     if profile.num_layers != num_layers:
@@ -106,7 +107,14 @@ def run_generate(
             f"the model profile counts {profile.num_layers} layers but the stage executor "
             f"builds {num_layers}; the profile of model_type {profile.model_type!r} is wrong"
         )
-    plan = plan_stages(settings, profile, single_process_reason(config))
+    try:
+        plan = plan_stages(settings, profile, refusal)
+    except ConfigurationError:
+        # auto never turns budgets the checkpoint fits into an error: it keeps the native size.
+        if settings.cpu_weights is not CpuWeights.AUTO or weights is CpuWeights.NATIVE:
+            raise
+        weights, why = CpuWeights.NATIVE, "native (auto: float32 weights do not fit --stage-memory)"
+        plan = plan_stages(settings, profile_from_config(config), refusal)
     how = "auto-partitioned by bytes" if plan.auto else "from --pp-layers"
     say(f"model {model_dir} ({num_layers} layers), stages {format_pp_layers(plan.ranges)} ({how})")
     say(f"weights: {why}; BLAS: {blas_in_use()}")
