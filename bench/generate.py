@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/generate.py [--model DIR] [--max-tokens 64] [--repeats 3]
 
-Prints a markdown table: prefill tokens/s of a ~300-token chat prompt and single-stream decode
+Prints a markdown table: prefill tokens/s of a 417-token chat prompt and single-stream decode
 tokens/s (medians of the repeats) for mlx-lm's own ``generate_step`` and for ``--pp-size`` 1
 and 2, with the weights as the checkpoint stores them (native, e.g. 4-bit) and materialized in
 float32 (``--cpu-weights float32``, the Linux CPU fast path), each on the BLAS this process put
@@ -29,7 +29,7 @@ BLAS = use_optimized_blas()
 import mlx.core as mx  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.utils import dequantize_model, load_model  # noqa: E402
-from prompts import CHAT_300  # noqa: E402
+from prompts import CHAT_PROMPT  # noqa: E402
 
 from mlxppd.core.cpu_weights import CpuWeights  # noqa: E402
 from mlxppd.core.layer_ranges import even_split  # noqa: E402
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = resolve_model_dir(args.model)
     config = read_config(model_dir)
     n_layers = int(config["num_hidden_layers"])
-    prompt = encode_prompt(load_tokenizer(model_dir), CHAT_300, chat_template=True)
+    prompt = encode_prompt(load_tokenizer(model_dir), CHAT_PROMPT, chat_template=True)
     n = args.max_tokens
     runners: dict[str, Callable[[], Iterator[int]]] = {}
     same_weights: dict[str, str] = {}

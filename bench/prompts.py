@@ -1,7 +1,7 @@
 """Prompts the benchmarks share."""
 
-# About 300 tokens once a chat template wraps it: a realistic first turn that carries context.
-CHAT_300 = (
+# 417 tokens once the embedded model's chat template wraps it: a realistic first turn that carries context.
+CHAT_PROMPT = (
     "Here are my notes from a week of learning to bake bread. Monday: the dough was too wet "
     "and spread flat; I used 80% hydration with all-purpose flour. Tuesday: lowered to 70%, "
     "better shape but dense crumb; the kitchen was cold, about 17 degrees. Wednesday: added "

@@ -5,7 +5,7 @@
 The cluster is ``mlxppd serve --pp-size N`` with default flags (add ``--micro-batch-size``,
 ``--cpu-weights`` to change them); ``mlx_lm.server`` runs as a user runs it today: the
 checkpoint as stored, on the BLAS its wheel bundles. Prints a markdown table:
-- time to first token of a ~300-token chat prompt (streaming over HTTP), both servers;
+- time to first token of a 417-token chat prompt (streaming over HTTP), both servers;
 - single stream: decode tokens/s of the cluster against ``mlx_lm.server`` and against
   single-process mlx-lm (``generate_step`` in a child process, no HTTP, its default BLAS);
 - N concurrent streams: aggregate generated tokens/s of both servers on the same N requests.
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from prompts import CHAT_300
+from prompts import CHAT_PROMPT
 
 QUESTIONS = [
     "Tell me a long story about a dragon who learns to play the violin.",
@@ -163,7 +163,7 @@ def measure(base: str, model: str, args: argparse.Namespace) -> ServerRun:
     """Warm up on a short question, then the long prompt (first sight: no prompt cache can
     help), one stream, and N concurrent streams."""
     stream_chat(base, model, QUESTIONS[1], 8)
-    ttft_long = stream_chat(base, model, CHAT_300, 8)
+    ttft_long = stream_chat(base, model, CHAT_PROMPT, 8)
     single = stream_chat(base, model, QUESTIONS[0], args.max_tokens)
     aggregate = concurrent(base, model, args.streams, args.max_tokens)
     return ServerRun(ttft_long, single, aggregate)
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = [
         (
-            "time to first token, ~300-token chat prompt",
+            "time to first token, 417-token chat prompt",
             ms(theirs.ttft_long),
             ms(ours.ttft_long),
             f"{theirs.ttft_long.ttft_s / ours.ttft_long.ttft_s:.1f}x faster",
