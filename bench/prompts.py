@@ -1,6 +1,6 @@
 """Prompts the benchmarks share."""
 
-# 417 tokens once the embedded model's chat template wraps it: a realistic first turn that carries context.
+# 417 tokens once the embedded model's chat template wraps it: a first turn that carries context.
 CHAT_PROMPT = (
     "Here are my notes from a week of learning to bake bread. Monday: the dough was too wet "
     "and spread flat; I used 80% hydration with all-purpose flour. Tuesday: lowered to 70%, "
