@@ -25,6 +25,8 @@ from pathlib import Path
 
 import httpx
 
+from mlxppd.core.schedule import bubble_fraction
+
 QUESTIONS = [
     "Tell me about the sea.",
     "Describe a forest.",
@@ -103,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---:|---:|---:|---:|")
     for k, measured in rows.items():
         for m in ms:
-            print(f"| {k} | {m} | {measured[m]:.3f} | {(k - 1) / (m + k - 1):.3f} |")
+            print(f"| {k} | {m} | {measured[m]:.3f} | {float(bubble_fraction(k, m)):.3f} |")
     return 0
 
 

@@ -88,11 +88,11 @@ def local_loads(model_dir: Path, before: str, after: str) -> list[dict[str, floa
     """In this process, per stage: the new range loaded from nothing (the reference engine's
     way) and loaded reusing the old range's tensors (ours), tensors and seconds for each."""
     from mlxppd.core.layer_ranges import parse_pp_layers
+    from mlxppd.core.model_profile import read_model_config
     from mlxppd.core.stages import StageSpec
-    from mlxppd.engine.model_files import read_config
     from mlxppd.engine.stage import load_stage
 
-    config = read_config(model_dir)
+    config = read_model_config(model_dir)
     old_ranges, new_ranges = parse_pp_layers(before, 30), parse_pp_layers(after, 30)
     out = []
     for i, (old, new) in enumerate(zip(old_ranges, new_ranges, strict=True)):

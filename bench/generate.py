@@ -33,8 +33,9 @@ from prompts import CHAT_PROMPT  # noqa: E402
 
 from mlxppd.core.cpu_weights import CpuWeights  # noqa: E402
 from mlxppd.core.layer_ranges import even_split  # noqa: E402
+from mlxppd.core.model_profile import read_model_config  # noqa: E402
 from mlxppd.core.stages import stage_specs  # noqa: E402
-from mlxppd.engine.model_files import read_config, resolve_model_dir  # noqa: E402
+from mlxppd.engine.model_files import resolve_model_dir  # noqa: E402
 from mlxppd.engine.pipeline import InProcessPipeline  # noqa: E402
 from mlxppd.engine.stage import load_stage  # noqa: E402
 from mlxppd.engine.tokenizer import encode_prompt, load_tokenizer  # noqa: E402
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     model_dir = resolve_model_dir(args.model)
-    config = read_config(model_dir)
+    config = read_model_config(model_dir)
     n_layers = int(config["num_hidden_layers"])
     prompt = encode_prompt(load_tokenizer(model_dir), CHAT_PROMPT, chat_template=True)
     n = args.max_tokens

@@ -11,13 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from mlxppd.core.cpu_weights import CpuWeights
+from mlxppd.core.model_profile import read_model_config
 from mlxppd.engine.cpu_weights import resolve_for_process
-from mlxppd.engine.model_files import read_config
 
 
 def served_weights(model_dir: Path, mode: CpuWeights = CpuWeights.AUTO) -> CpuWeights:
     """The weight mode ``mode`` resolves to for this model on this host."""
-    return resolve_for_process(mode, read_config(model_dir))[0]
+    return resolve_for_process(mode, read_model_config(model_dir))[0]
 
 
 def held_as(model: Any, weights: CpuWeights) -> Any:

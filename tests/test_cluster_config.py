@@ -193,7 +193,7 @@ def test_models_are_frozen_and_forbid_extra_keys() -> None:
 
 def test_coordinator_is_an_alias_of_hybrid() -> None:
     cfg = parse_cluster_config(_toml(nodes=_with(_STAGES_2, 0, role="coordinator")), "t")
-    assert cfg.coordinator.role is NodeRole.HYBRID
+    assert cfg.coordinator.role is NodeRole.COORDINATOR
 
 
 @pytest.mark.parametrize("alias", ["pp_tp", "2d", "pipeline_tensor_parallel"])

@@ -73,7 +73,7 @@ def test_the_coordinator_comes_first_then_one_stage_per_peer_in_sorted_address_o
     cluster = plan([C, B])
 
     assert [(n.id, n.address, n.role, n.stage) for n in cluster.nodes] == [
-        ("coordinator", CONTROL, NodeRole.HYBRID, None),
+        ("coordinator", CONTROL, NodeRole.COORDINATOR, None),
         ("stage-0", B, NodeRole.PIPELINE_STAGE, 0),
         ("stage-1", C, NodeRole.PIPELINE_STAGE, 1),
     ]

@@ -22,9 +22,8 @@ from mlxppd.core.cpu_weights import (
 )
 from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.layer_ranges import LayerRange
-from mlxppd.core.model_profile import profile_from_config
+from mlxppd.core.model_profile import profile_from_config, read_model_config
 from mlxppd.core.stages import StageSpec
-from mlxppd.engine.model_files import read_config
 from mlxppd.engine.stage import load_stage
 from tests.test_agent_plan import STAGE, running, stage_node
 from tests.test_cluster_config import _load, _refused, _toml
@@ -60,7 +59,7 @@ def test_an_explicit_mode_is_kept_whatever_the_host(mode: CpuWeights) -> None:
 
 
 def test_the_float32_config_prices_every_tensor_at_four_bytes(embedded_model_dir: Path) -> None:
-    config = read_config(embedded_model_dir)
+    config = read_model_config(embedded_model_dir)
     native = profile_from_config(config)
     f32 = profile_from_config(float32_config(config))
     assert "quantization" in config and "quantization" not in float32_config(config)
@@ -75,7 +74,7 @@ def test_the_float32_config_prices_every_tensor_at_four_bytes(embedded_model_dir
 def test_a_float32_stage_holds_only_float32_matrices_priced_exactly(
     embedded_model_dir: Path,
 ) -> None:
-    config = read_config(embedded_model_dir)
+    config = read_model_config(embedded_model_dir)
     spec = StageSpec(1, 2, 15, 30)
     stage = load_stage(embedded_model_dir, spec, config, weights_mode=CpuWeights.FLOAT32)
     assert stage.weights is CpuWeights.FLOAT32
@@ -88,7 +87,7 @@ def test_a_float32_stage_holds_only_float32_matrices_priced_exactly(
 
 
 def test_a_float32_repartition_keeps_the_layers_it_retains(embedded_model_dir: Path) -> None:
-    config = read_config(embedded_model_dir)
+    config = read_model_config(embedded_model_dir)
     f32 = CpuWeights.FLOAT32
     before = load_stage(embedded_model_dir, StageSpec(1, 2, 15, 30), config, weights_mode=f32)
     after = load_stage(

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from mlxppd.core.model_profile import read_model_config
 from mlxppd.core.stages import StageSpec
-from mlxppd.engine.model_files import read_config
 from mlxppd.engine.stage import load_stage
 
 
 def test_growing_stage_reads_only_the_gained_layers(embedded_model_dir: Path) -> None:
-    config = read_config(embedded_model_dir)
+    config = read_model_config(embedded_model_dir)
     before = load_stage(embedded_model_dir, StageSpec(1, 2, 15, 30), config)
     assert before.reused_tensors == 0
     after = load_stage(embedded_model_dir, StageSpec(1, 2, 10, 30), config, reuse=before)
@@ -30,7 +30,7 @@ def test_growing_stage_reads_only_the_gained_layers(embedded_model_dir: Path) ->
 
 
 def test_shrinking_stage_reads_nothing(embedded_model_dir: Path) -> None:
-    config = read_config(embedded_model_dir)
+    config = read_model_config(embedded_model_dir)
     before = load_stage(embedded_model_dir, StageSpec(0, 2, 0, 15), config)
     after = load_stage(embedded_model_dir, StageSpec(0, 2, 0, 10), config, reuse=before)
     assert after.loaded_tensors == 0

@@ -12,7 +12,7 @@ import pytest
 from mlxppd.wire import handshake, record, secret, version
 from mlxppd.wire.codec import MESSAGE_HEADER, MessageKind
 from mlxppd.wire.dtypes import DTYPES
-from mlxppd.wire.errors import HandshakeFailure, RejectReason
+from mlxppd.wire.errors import FrameRejectReason, HandshakeFailure
 from mlxppd.wire.handshake import AbortReason, HandshakeType, Verdict
 from mlxppd.wire.limits import MAX_NDIM, FrameLimits
 from mlxppd.wire.rdma import negotiate_rdma
@@ -89,7 +89,7 @@ def test_every_failure_reason_is_documented_and_nothing_else() -> None:
     table = next(t for t in _tables() if t[0] == ["counter", "reason", "cause"])
     rows = [(r[0], _unquote(r[1])) for r in table[2:]]
     assert {r for c, r in rows if c == "handshake_failures"} == {f.value for f in HandshakeFailure}
-    assert {r for c, r in rows if c == "rejected_frames"} == {r.value for r in RejectReason}
+    assert {r for c, r in rows if c == "rejected_frames"} == {r.value for r in FrameRejectReason}
 
 
 def test_the_layout_tables_match_the_struct_formats() -> None:

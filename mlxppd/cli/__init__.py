@@ -1,1 +1,1 @@
-"""cli layer of mlxppd (see DESIGN.md)."""
+"""cli layer of mlxppd (see docs/architecture.md)."""

@@ -49,7 +49,7 @@ def _config_flags(p: argparse.ArgumentParser) -> None:
 
 
 def elastic_flags(p: argparse.ArgumentParser) -> None:
-    """The spec's elastic flags; they override [cluster.elastic] of the cluster TOML."""
+    """The elastic flags (docs/elastic.md); they override [cluster.elastic] of the cluster TOML."""
     g = p.add_argument_group("elastic repartitioning (coordinator; overrides [cluster.elastic])")
     g.add_argument(
         "--enable-elastic-pp",

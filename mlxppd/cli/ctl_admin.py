@@ -28,6 +28,7 @@ from mlxppd.core.agent_settings import (
 )
 from mlxppd.core.cluster_config import load_cluster_config
 from mlxppd.core.cluster_health import UNHEALTHY, overall_health
+from mlxppd.core.cluster_render import join_host_port
 from mlxppd.core.errors import ConfigurationError, MlxppError
 from mlxppd.core.partition_sizes import parse_byte_size
 from mlxppd.http.admin_api import (
@@ -198,9 +199,7 @@ class _Target:
                 source=str(self._config_dir / HOST_FILE),
             )
         address = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host.http_host, host.http_host)
-        if ":" in address:
-            address = f"[{address}]"
-        return f"http://{address}:{host.http_port}"
+        return f"http://{join_host_port(address, host.http_port)}"
 
     def _key(self, flag_path: str | None) -> tuple[str, bytes]:
         config_secret_file: str | None = None

@@ -253,22 +253,11 @@ def exit_now(code: int) -> None:
     os._exit(code)
 
 
-def run(args: argparse.Namespace) -> int:
+def _node_options(args: argparse.Namespace) -> Any:
+    """The flags as NodeOptions, once each is in range (``auto`` micro-batches sized later)."""
     from mlxppd.cli.agent_command import elastic_overrides
-    from mlxppd.core.layer_ranges import parse_pp_layers
-    from mlxppd.core.model_profile import profile_from_config
-    from mlxppd.core.partition import balance_layers
-    from mlxppd.core.schedule import suggested_micro_batch_size
-    from mlxppd.engine.families import single_process_reason
-    from mlxppd.engine.model_files import read_config, resolve_model_dir
-    from mlxppd.http.server import run_coordinator_node, run_inprocess, run_local_cluster
-    from mlxppd.runtime import event_loop
-    from mlxppd.runtime.serve import NodeOptions, run_stage_node
+    from mlxppd.runtime.serve import NodeOptions
 
-    logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-    )
     micro = str(args.pp_micro_batch_size)
     if micro != "auto" and not (micro.isdigit() and 1 <= int(micro) <= 256):
         raise ConfigurationError(
@@ -279,13 +268,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigurationError("must be at least 1", source="--parallel")
     if args.max_batch_size < 1:
         raise ConfigurationError("must be at least 1", source="--max-batch-size")
-
-    def sized_for(options: NodeOptions, stages: int) -> NodeOptions:
-        if micro != "auto":
-            return options
-        return replace(options, micro_batch_size=suggested_micro_batch_size(args.parallel, stages))
-
-    options = NodeOptions(
+    return NodeOptions(
         model=args.model,
         cluster_file=args.distributed_config or Path("."),
         node_id=args.node_id or "",
@@ -310,33 +293,60 @@ def run(args: argparse.Namespace) -> int:
         elastic=tuple(elastic_overrides(args).items()),
     )
 
+
+def run(args: argparse.Namespace) -> int:
+    from mlxppd.core.schedule import suggested_micro_batch_size
+    from mlxppd.http.server import run_coordinator_node
+    from mlxppd.runtime import event_loop
+    from mlxppd.runtime.serve import NodeOptions, run_stage_node
+
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    options = _node_options(args)
+
+    def sized(options: NodeOptions, stages: int) -> NodeOptions:
+        if str(args.pp_micro_batch_size) != "auto":
+            return options
+        return replace(options, micro_batch_size=suggested_micro_batch_size(args.parallel, stages))
+
     _check_zero_config(args)
     if args.pp_auto is not None:
-        return event_loop.run(_run_auto(sized_for(options, args.pp_auto), _zero_config(args)))
+        return event_loop.run(_run_auto(sized(options, args.pp_auto), _zero_config(args)))
     if args.pp_peer and not (args.distributed_config and args.node_id):
         return event_loop.run(_run_peer(options, _zero_config(args)))
+    if args.distributed_config is None:
+        return _run_local(args, options, sized)
+    if args.pp_size is not None or args.pp_layers is not None:
+        raise ConfigurationError(
+            "the cluster TOML fixes the stages; drop --pp-size/--pp-layers",
+            source="--distributed-config",
+        )
+    if not args.node_id:
+        raise ConfigurationError("--node-id is required with --distributed-config")
+    from mlxppd.core.cluster_config import NodeRole, load_cluster_config
 
-    sized = sized_for
+    cluster = load_cluster_config(args.distributed_config)
+    node = cluster.find_node(args.node_id)
+    if node is not None and node.role is not NodeRole.COORDINATOR:
+        return event_loop.run(run_stage_node(options))
+    options = sized(options, cluster.cluster.pipeline_parallel_size)
+    return event_loop.run(run_coordinator_node(options))
 
-    if args.distributed_config is not None:
-        if args.pp_size is not None or args.pp_layers is not None:
-            raise ConfigurationError(
-                "the cluster TOML fixes the stages; drop --pp-size/--pp-layers",
-                source="--distributed-config",
-            )
-        if not args.node_id:
-            raise ConfigurationError("--node-id is required with --distributed-config")
-        from mlxppd.core.cluster_config import NodeRole, load_cluster_config
 
-        cluster = load_cluster_config(args.distributed_config)
-        node = cluster.find_node(args.node_id)
-        if node is not None and node.role is not NodeRole.HYBRID:
-            return event_loop.run(run_stage_node(options))
-        options = sized(options, cluster.cluster.pipeline_parallel_size)
-        return event_loop.run(run_coordinator_node(options))
+def _run_local(args: argparse.Namespace, options: Any, sized: Any) -> int:
+    """No cluster TOML: a local cluster of --pp-size stages, or every stage in this process."""
+    from mlxppd.core.layer_ranges import parse_pp_layers
+    from mlxppd.core.model_profile import profile_from_config, read_model_config
+    from mlxppd.core.partition import balance_layers
+    from mlxppd.engine.families import single_process_reason
+    from mlxppd.engine.model_files import resolve_model_dir
+    from mlxppd.http.server import run_inprocess, run_local_cluster
+    from mlxppd.runtime import event_loop
 
     model_dir = resolve_model_dir(args.model)
-    config = read_config(model_dir)
+    config = read_model_config(model_dir)
     profile = profile_from_config(config)
     if args.pp_layers is not None:
         ranges = parse_pp_layers(args.pp_layers, profile.num_layers, profile.adjacency_groups)
@@ -348,5 +358,5 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigurationError(refusal, source="--pp-size/--pp-layers")
     options = replace(options, model=str(model_dir))
     if len(ranges) >= 2:
-        return run_local_cluster(sized(options, len(ranges)), ranges)
-    return event_loop.run(run_inprocess(options, model_dir))
+        return int(run_local_cluster(sized(options, len(ranges)), ranges))
+    return int(event_loop.run(run_inprocess(options, model_dir)))

@@ -1,1 +1,1 @@
-"""core layer of mlxppd (see DESIGN.md)."""
+"""core layer of mlxppd (see docs/architecture.md)."""

@@ -89,7 +89,7 @@ def desired_state(
         )
     ranges = cluster_layer_plan(cluster, model_config)
     transport = cluster.cluster.transport_backend
-    if node.role is NodeRole.HYBRID:
+    if node.role is NodeRole.COORDINATOR:
         coordinator = CoordinatorTarget(
             node_id=node.id,
             http_host=host.http_host,

@@ -16,13 +16,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, ValidationError, create_model
+from pydantic import Field, ValidationError, create_model
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from mlxppd.core.cluster_render import format_key_path, validation_error
 from mlxppd.core.cpu_weights import CpuWeightsField
 from mlxppd.core.errors import ConfigurationError
+from mlxppd.core.strict import StrictModel
 
 __all__ = [
     "CLUSTER_FILE",
@@ -158,9 +159,7 @@ def _layer_model() -> type[Any]:
     for name, info in HostSettings.model_fields.items():
         optional: Any = info.annotation
         fields[name] = (optional | None, FieldInfo.merge_field_infos(info, default=None))
-    model: type[Any] = create_model(
-        "HostLayer", __config__=ConfigDict(extra="forbid", frozen=True), **fields
-    )
+    model: type[Any] = create_model("HostLayer", __base__=StrictModel, **fields)
     return model
 
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 import enum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import Field, TypeAdapter
+
+from mlxppd.core.strict import StrictModel
 
 __all__ = [
     "AssignmentCommand",
@@ -23,11 +25,7 @@ __all__ = [
 ]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class ModelIdentity(_Strict):
+class ModelIdentity(StrictModel):
     """What makes two hosts' checkpoints the same model."""
 
     config_sha256: str = Field(max_length=64, description="SHA-256 of config.json's bytes")
@@ -62,12 +60,12 @@ class RefusalReason(enum.StrEnum):
     INVALID_OFFER = "invalid_offer"
 
 
-class Hello(_Strict):
+class Hello(StrictModel):
     op: Literal["hello"] = "hello"
     rid: int = Field(ge=0)
 
 
-class Offer(_Strict):
+class Offer(StrictModel):
     op: Literal["offer"] = "offer"
     rid: int = Field(ge=0)
     node_id: str = Field(min_length=1, max_length=128)
@@ -79,17 +77,17 @@ class Offer(_Strict):
     topology: str = Field(max_length=1 << 20, description="the whole cluster TOML")
 
 
-class Commit(_Strict):
+class Commit(StrictModel):
     op: Literal["commit"] = "commit"
     rid: int = Field(ge=0)
 
 
-class Activate(_Strict):
+class Activate(StrictModel):
     op: Literal["activate"] = "activate"
     rid: int = Field(ge=0)
 
 
-class Abort(_Strict):
+class Abort(StrictModel):
     op: Literal["abort"] = "abort"
     rid: int = Field(ge=0)
     reason: str = Field("", max_length=1024)

@@ -10,7 +10,6 @@ on is checked here, so later layers can trust a ``ClusterConfig`` without re-che
 from __future__ import annotations
 
 import enum
-import ipaddress
 import json
 import re
 import tomllib
@@ -18,9 +17,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import (
-    BaseModel,
     BeforeValidator,
-    ConfigDict,
     Field,
     ValidationError,
     WithJsonSchema,
@@ -30,6 +27,7 @@ from pydantic import (
 
 from mlxppd.core.cluster_render import (
     KeyedValueError,
+    address_key,
     parse_address,
     render_cluster_toml,
     validation_error,
@@ -37,6 +35,7 @@ from mlxppd.core.cluster_render import (
 from mlxppd.core.cpu_weights import CpuWeights, CpuWeightsField
 from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.layer_ranges import LayerRange, check_layer_ranges, even_split, parse_layer_range
+from mlxppd.core.strict import StrictModel as _Strict
 
 __all__ = [
     "ClusterConfig",
@@ -61,14 +60,16 @@ _ID_RE = re.compile(r"[A-Za-z0-9._-]+")
 class NodeRole(enum.StrEnum):
     """What a node does in the cluster."""
 
-    HYBRID = "hybrid"
+    #: serves the HTTP API and drives the stages, holding no layers; the TOML spells it
+    #: "hybrid" (as other pipeline engines do) and accepts "coordinator"
+    COORDINATOR = "hybrid"
     PIPELINE_STAGE = "pipeline_stage"
     PIPELINE_TENSOR_PARALLEL = "pipeline_tensor_parallel"
 
 
-# Spellings accepted on input (the spec's aliases); output always uses the canonical value.
+# Spellings accepted on input (aliases); output always uses the canonical value.
 _ROLE_ALIASES = {
-    "coordinator": NodeRole.HYBRID,
+    "coordinator": NodeRole.COORDINATOR,
     "pp_tp": NodeRole.PIPELINE_TENSOR_PARALLEL,
     "2d": NodeRole.PIPELINE_TENSOR_PARALLEL,
 }
@@ -93,12 +94,8 @@ RoleField = Annotated[
 ]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
 class ElasticPolicy(_Strict):
-    """``[cluster.elastic]``: opt-in elastic repartitioning (spec: Elastic repartitioning)."""
+    """``[cluster.elastic]``: opt-in elastic repartitioning (docs/elastic.md)."""
 
     enabled: bool = Field(
         False, strict=True, description="Enable elastic repartitioning (--enable-elastic-pp)."
@@ -283,11 +280,11 @@ class ClusterConfig(_Strict):
     @property
     def coordinator(self) -> Node:
         """The hybrid node (exactly one per cluster)."""
-        return next(n for n in self.nodes if n.role is NodeRole.HYBRID)
+        return next(n for n in self.nodes if n.role is NodeRole.COORDINATOR)
 
     def stage_nodes(self) -> list[Node]:
         """Every non-coordinator node, ordered by (stage, rank)."""
-        stages = [n for n in self.nodes if n.role is not NodeRole.HYBRID]
+        stages = [n for n in self.nodes if n.role is not NodeRole.COORDINATOR]
         return sorted(stages, key=lambda n: (n.stage, n.tp_rank))
 
     def nodes_at_stage(self, stage: int) -> list[Node]:
@@ -323,125 +320,139 @@ def _check_topology(cfg: ClusterConfig) -> None:
     coordinators: list[int] = []
     slots: dict[tuple[int, int], int] = {}
     for i, node in enumerate(cfg.nodes):
-        name = f"'{node.id}'"
-        if node.id in seen_ids:
-            raise KeyedValueError(
-                ("nodes", i, "id"),
-                f"node id {name} is used by nodes[{seen_ids[node.id]}] and nodes[{i}]; "
-                "give each node a unique id",
-            )
-        seen_ids[node.id] = i
-        host, port = parse_address(node.address)
-        # Hostnames are case-insensitive; IPv6 spellings are compared in canonical form.
-        canon = (str(ipaddress.ip_address(host)) if ":" in host else host.lower(), port)
-        if canon in seen_addresses:
-            other = cfg.nodes[seen_addresses[canon]].id
-            raise KeyedValueError(
-                ("nodes", i, "address"),
-                f"address '{node.address}' is used by nodes '{other}' and {name}; "
-                "give each node its own host:port",
-            )
-        seen_addresses[canon] = i
-
-        if node.role is NodeRole.HYBRID:
-            if coordinators:
-                other = cfg.nodes[coordinators[0]].id
-                raise KeyedValueError(
-                    ("nodes", i, "role"),
-                    f"nodes '{other}' and {name} both have role 'hybrid'; a cluster has "
-                    "exactly one coordinator, so give the others role 'pipeline_stage'",
-                )
+        _check_unique(cfg, i, seen_ids, seen_addresses)
+        if node.role is NodeRole.COORDINATOR:
+            _check_coordinator(cfg, i, coordinators)
             coordinators.append(i)
-            for key in ("stage", "rank"):
-                if getattr(node, key) is not None:
-                    raise KeyedValueError(
-                        ("nodes", i, key),
-                        f"the coordinator {name} runs no stage; remove its {key} key",
-                    )
             continue
-
-        if node.role is NodeRole.PIPELINE_TENSOR_PARALLEL and tp == 1:
+        slot = _stage_slot(node, i, pp, tp)
+        if slot in slots:
+            other = cfg.nodes[slots[slot]].id
+            key = "stage" if tp == 1 else "rank"
+            where = f"stage {node.stage}" if tp == 1 else f"(stage {slot[0]}, rank {slot[1]})"
+            what = "each stage" if tp == 1 else "each (stage, rank) pair"
             raise KeyedValueError(
-                ("nodes", i, "role"),
-                f"node {name} has role 'pipeline_tensor_parallel' but tensor_parallel_size is 1; "
-                "set cluster.tensor_parallel_size above 1 or use role 'pipeline_stage'",
+                ("nodes", i, key),
+                f"{where} appears on nodes '{other}' and '{node.id}'; give {what} exactly one node",
             )
-        if node.role is NodeRole.PIPELINE_STAGE and tp > 1:
-            raise KeyedValueError(
-                ("nodes", i, "role"),
-                f"node {name} has role 'pipeline_stage' but tensor_parallel_size is {tp}; "
-                "in a 2D cluster every stage node has role 'pipeline_tensor_parallel' and a rank",
-            )
-        if node.stage is None:
-            raise KeyedValueError(
-                ("nodes", i, "stage"),
-                f"node {name} has no stage; set stage to one of 0..{pp - 1}",
-            )
-        if node.stage >= pp:
-            raise KeyedValueError(
-                ("nodes", i, "stage"),
-                f"node {name} has stage {node.stage} but pipeline_parallel_size is {pp}; "
-                f"use a stage from 0 to {pp - 1}",
-            )
-        if tp == 1:
-            if node.rank is not None:
-                raise KeyedValueError(
-                    ("nodes", i, "rank"),
-                    f"node {name} has role 'pipeline_stage', which has no tensor-parallel rank; "
-                    "remove rank, or set cluster.tensor_parallel_size for a 2D cluster",
-                )
-            slot = (node.stage, 0)
-            if slot in slots:
-                other = cfg.nodes[slots[slot]].id
-                raise KeyedValueError(
-                    ("nodes", i, "stage"),
-                    f"stage {node.stage} appears on nodes '{other}' and {name}; "
-                    "give each stage exactly one node",
-                )
-        else:
-            if node.rank is None:
-                raise KeyedValueError(
-                    ("nodes", i, "rank"),
-                    f"node {name} has no rank; set rank to one of 0..{tp - 1}",
-                )
-            if node.rank >= tp:
-                raise KeyedValueError(
-                    ("nodes", i, "rank"),
-                    f"node {name} has rank {node.rank} but tensor_parallel_size is {tp}; "
-                    f"use a rank from 0 to {tp - 1}",
-                )
-            slot = (node.stage, node.rank)
-            if slot in slots:
-                other = cfg.nodes[slots[slot]].id
-                raise KeyedValueError(
-                    ("nodes", i, "rank"),
-                    f"(stage {node.stage}, rank {node.rank}) appears on nodes '{other}' "
-                    f"and {name}; "
-                    "give each (stage, rank) pair exactly one node",
-                )
         slots[slot] = i
-
     if not coordinators:
         raise KeyedValueError(
             ("nodes",),
             "no node has role 'hybrid'; add one coordinator node with role = \"hybrid\"",
         )
-    missing = [(s, r) for s in range(pp) for r in range(tp) if (s, r) not in slots]
-    if missing:
-        if tp == 1:
-            names = ", ".join(str(s) for s, _ in missing)
-            subject = f"stage {names} has" if len(missing) == 1 else f"stages {names} have"
+    _check_complete(slots, pp, tp)
+
+
+def _check_unique(
+    cfg: ClusterConfig,
+    i: int,
+    seen_ids: dict[str, int],
+    seen_addresses: dict[tuple[str, int], int],
+) -> None:
+    """Node ``i``'s id and address are not used by an earlier node (records them)."""
+    node = cfg.nodes[i]
+    if node.id in seen_ids:
+        raise KeyedValueError(
+            ("nodes", i, "id"),
+            f"node id '{node.id}' is used by nodes[{seen_ids[node.id]}] and nodes[{i}]; "
+            "give each node a unique id",
+        )
+    seen_ids[node.id] = i
+    # Hostnames are case-insensitive; IPv6 spellings are compared in canonical form.
+    canon = address_key(node.address)
+    if canon in seen_addresses:
+        other = cfg.nodes[seen_addresses[canon]].id
+        raise KeyedValueError(
+            ("nodes", i, "address"),
+            f"address '{node.address}' is used by nodes '{other}' and '{node.id}'; "
+            "give each node its own host:port",
+        )
+    seen_addresses[canon] = i
+
+
+def _check_coordinator(cfg: ClusterConfig, i: int, coordinators: list[int]) -> None:
+    node = cfg.nodes[i]
+    if coordinators:
+        other = cfg.nodes[coordinators[0]].id
+        raise KeyedValueError(
+            ("nodes", i, "role"),
+            f"nodes '{other}' and '{node.id}' both have role 'hybrid'; a cluster has "
+            "exactly one coordinator, so give the others role 'pipeline_stage'",
+        )
+    for key in ("stage", "rank"):
+        if getattr(node, key) is not None:
             raise KeyedValueError(
-                ("nodes",),
-                f"{subject} no node; pipeline_parallel_size = {pp} needs one "
-                f"'pipeline_stage' node for each stage 0..{pp - 1}",
+                ("nodes", i, key),
+                f"the coordinator '{node.id}' runs no stage; remove its {key} key",
             )
-        names = ", ".join(f"(stage {s}, rank {r})" for s, r in missing)
+
+
+def _stage_slot(node: Node, i: int, pp: int, tp: int) -> tuple[int, int]:
+    """The (stage, rank) a stage node fills, once its role, stage and rank are consistent."""
+    name = f"'{node.id}'"
+    if node.role is NodeRole.PIPELINE_TENSOR_PARALLEL and tp == 1:
+        raise KeyedValueError(
+            ("nodes", i, "role"),
+            f"node {name} has role 'pipeline_tensor_parallel' but tensor_parallel_size is 1; "
+            "set cluster.tensor_parallel_size above 1 or use role 'pipeline_stage'",
+        )
+    if node.role is NodeRole.PIPELINE_STAGE and tp > 1:
+        raise KeyedValueError(
+            ("nodes", i, "role"),
+            f"node {name} has role 'pipeline_stage' but tensor_parallel_size is {tp}; "
+            "in a 2D cluster every stage node has role 'pipeline_tensor_parallel' and a rank",
+        )
+    if node.stage is None:
+        raise KeyedValueError(
+            ("nodes", i, "stage"), f"node {name} has no stage; set stage to one of 0..{pp - 1}"
+        )
+    if node.stage >= pp:
+        raise KeyedValueError(
+            ("nodes", i, "stage"),
+            f"node {name} has stage {node.stage} but pipeline_parallel_size is {pp}; "
+            f"use a stage from 0 to {pp - 1}",
+        )
+    if tp == 1:
+        if node.rank is not None:
+            raise KeyedValueError(
+                ("nodes", i, "rank"),
+                f"node {name} has role 'pipeline_stage', which has no tensor-parallel rank; "
+                "remove rank, or set cluster.tensor_parallel_size for a 2D cluster",
+            )
+        return node.stage, 0
+    if node.rank is None:
+        raise KeyedValueError(
+            ("nodes", i, "rank"), f"node {name} has no rank; set rank to one of 0..{tp - 1}"
+        )
+    if node.rank >= tp:
+        raise KeyedValueError(
+            ("nodes", i, "rank"),
+            f"node {name} has rank {node.rank} but tensor_parallel_size is {tp}; "
+            f"use a rank from 0 to {tp - 1}",
+        )
+    return node.stage, node.rank
+
+
+def _check_complete(slots: dict[tuple[int, int], int], pp: int, tp: int) -> None:
+    """Every (stage, rank) of the pp x tp grid has its node."""
+    missing = [(s, r) for s in range(pp) for r in range(tp) if (s, r) not in slots]
+    if not missing:
+        return
+    if tp == 1:
+        names = ", ".join(str(s) for s, _ in missing)
+        subject = f"stage {names} has" if len(missing) == 1 else f"stages {names} have"
         raise KeyedValueError(
             ("nodes",),
-            f"{len(slots)} 'pipeline_tensor_parallel' nodes but pipeline_parallel_size x "
-            f"tensor_parallel_size = {pp * tp}; add nodes for {names}",
+            f"{subject} no node; pipeline_parallel_size = {pp} needs one "
+            f"'pipeline_stage' node for each stage 0..{pp - 1}",
         )
+    names = ", ".join(f"(stage {s}, rank {r})" for s, r in missing)
+    raise KeyedValueError(
+        ("nodes",),
+        f"{len(slots)} 'pipeline_tensor_parallel' nodes but pipeline_parallel_size x "
+        f"tensor_parallel_size = {pp * tp}; add nodes for {names}",
+    )
 
 
 def parse_cluster_config(text: str, source: str) -> ClusterConfig:

@@ -1,7 +1,7 @@
 """Zero-config bring-up, the coordinator's side: from resolved peers to a cluster TOML.
 
-The spec's "Zero-Config Startup": ``--pp-auto N`` with peers from ``--cluster-peers`` or from
-discovery beacons. Peers are sorted by their textual address before anything else (the
+Zero-config startup (docs/zero-config.md): ``--pp-auto N`` with peers from ``--cluster-peers``
+or from discovery beacons. Peers are sorted by their textual address before anything else (the
 determinism contract), so the same set of peers always gives the same ``ClusterConfig`` and,
 through ``render_cluster_toml``, the same bytes. The result goes through the same validation as
 a hand-written TOML, so the runtime cannot tell the two apart.
@@ -12,7 +12,6 @@ non-zero. Nothing in this module touches the network; callers pass in what they 
 
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -23,9 +22,10 @@ from mlxppd.core.cluster_config import (
     NodeRole,
     parse_address,
 )
+from mlxppd.core.cluster_render import address_key, split_host_port
 from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.model_profile import ModelProfile
-from mlxppd.core.partition import balance_layers, format_bytes
+from mlxppd.core.partition import PartitionPlan, balance_layers, format_bytes
 
 __all__ = [
     "COORDINATOR_ID",
@@ -40,7 +40,7 @@ __all__ = [
 ]
 
 COORDINATOR_ID = "coordinator"
-#: the spec's default ``--cluster-discovery-port``
+#: the default ``--cluster-discovery-port``
 DEFAULT_DISCOVERY_PORT = 49555
 
 _PEERS = "--cluster-peers"
@@ -70,18 +70,12 @@ def stage_node_id(stage: int) -> str:
     return f"stage-{stage}"
 
 
-def _address_key(address: str) -> tuple[str, int]:
-    """The identity of an address: hostnames are case-insensitive, IPv6 has one canonical form."""
-    host, port = parse_address(address)
-    return (str(ipaddress.ip_address(host)) if ":" in host else host.lower(), port)
-
-
 def sort_peers(peers: Sequence[PeerInfo]) -> list[PeerInfo]:
     """Peers in stage order: lexicographic by address text; a repeated address is an error."""
     seen: dict[tuple[str, int], str] = {}
     for peer in peers:
         try:
-            key = _address_key(peer.address)
+            key = address_key(peer.address)
         except ValueError as exc:
             raise ConfigurationError(f"{exc}; fix that peer address", source=_PEERS) from None
         if key in seen:
@@ -144,6 +138,30 @@ def plan_cluster(
     balancer evens out the stage loads within the budgets, so layers move toward a bigger peer
     only when a smaller one cannot hold its even share. Raises ConfigurationError with the fix.
     """
+    ordered = _checked_peers(control_addr, peers, num_stages, profile, discovery_port)
+    plan = _plan_over(profile, num_stages, ordered)
+    nodes = [Node(id=COORDINATOR_ID, address=control_addr, role=NodeRole.COORDINATOR)]
+    nodes += [
+        Node(id=stage_node_id(i), address=p.address, role=NodeRole.PIPELINE_STAGE, stage=i)
+        for i, p in enumerate(ordered)
+    ]
+    section = ClusterSection(
+        name=name,
+        pipeline_parallel_size=num_stages,
+        transport_backend="tcp",
+        layers=[str(r) for r in plan.ranges],
+    )
+    return ClusterConfig(cluster=section, nodes=nodes)
+
+
+def _checked_peers(
+    control_addr: str,
+    peers: Sequence[PeerInfo],
+    num_stages: int,
+    profile: ModelProfile,
+    discovery_port: int,
+) -> list[PeerInfo]:
+    """The peers in stage order, once the request and the peers make a cluster."""
     try:
         parse_address(control_addr)
     except ValueError as exc:
@@ -173,15 +191,21 @@ def plan_cluster(
             f"(or stop those --pp-peer processes), or use {_PP_AUTO} {len(ordered)}",
             source=_PEERS,
         )
-    control_key = _address_key(control_addr)
+    control_key = address_key(control_addr)
     for peer in ordered:
-        if _address_key(peer.address) == control_key:
+        if address_key(peer.address) == control_key:
             raise ConfigurationError(
                 f"peer {peer.address} is the coordinator's own control address; give "
                 f"{_CONTROL} another port or remove it from {_PEERS}",
                 source=_CONTROL,
             )
+    return list(ordered)
 
+
+def _plan_over(
+    profile: ModelProfile, num_stages: int, ordered: Sequence[PeerInfo]
+) -> PartitionPlan:
+    """Layers balanced over the peers, within the memory each reported."""
     budgets = _budgets(ordered)
     try:
         plan = balance_layers(profile, num_stages, budgets)
@@ -198,23 +222,11 @@ def plan_cluster(
             f"model (balancer: {exc})",
             source=_PP_AUTO,
         ) from None
-
-    nodes = [Node(id=COORDINATOR_ID, address=control_addr, role=NodeRole.HYBRID)]
-    nodes += [
-        Node(id=stage_node_id(i), address=p.address, role=NodeRole.PIPELINE_STAGE, stage=i)
-        for i, p in enumerate(ordered)
-    ]
-    section = ClusterSection(
-        name=name,
-        pipeline_parallel_size=num_stages,
-        transport_backend="tcp",
-        layers=[str(r) for r in plan.ranges],
-    )
-    return ClusterConfig(cluster=section, nodes=nodes)
+    return plan
 
 
 def topology_summary(cluster: ClusterConfig, toml_path: str, notes: Sequence[str] = ()) -> str:
-    """The ``--dry-run`` summary (spec format), without a trailing newline."""
+    """The ``--dry-run`` summary (docs/zero-config.md), without a trailing newline."""
     c = cluster.cluster
     nodes = [cluster.coordinator, *cluster.stage_nodes()]
     lines = [
@@ -231,12 +243,9 @@ def topology_summary(cluster: ClusterConfig, toml_path: str, notes: Sequence[str
 
 
 def _split_bind(address: str) -> tuple[str, int] | None:
-    """(host, port) of a bind address, wildcards allowed; None when it is not host:port."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        return None
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    return host.lower(), int(port)
+    """(host, port) of a bind address, wildcards allowed, the host lower-cased."""
+    split = split_host_port(address)
+    return (split[0].lower(), split[1]) if split is not None else None
 
 
 def _same_socket(a: str, b: str) -> bool:

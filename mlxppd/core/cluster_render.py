@@ -23,15 +23,18 @@ if TYPE_CHECKING:
 __all__ = [
     "CLUSTER_TOML_HEADER",
     "KeyedValueError",
+    "address_key",
     "format_key_path",
+    "join_host_port",
     "parse_address",
     "render_cluster_toml",
+    "split_host_port",
     "validation_error",
 ]
 
 Loc = tuple[str | int, ...]
 
-# Static on purpose (spec, Determinism contract): no hostname, pid or clock, so the same
+# Static on purpose (determinism: docs/zero-config.md): no hostname, pid or clock, so the same
 # cluster always renders to the same bytes and the file can live in version control.
 CLUSTER_TOML_HEADER = (
     "# mlxpp cluster configuration (JSON Schema: schemas/cluster.schema.json).\n"
@@ -91,6 +94,27 @@ def parse_address(text: str) -> tuple[str, int]:
     return host, int(port_text)
 
 
+def address_key(address: str) -> tuple[str, int]:
+    """The identity of a node address, for telling two apart: hostnames are case-insensitive
+    and IPv6 has one canonical spelling. ValueError as ``parse_address``."""
+    host, port = parse_address(address)
+    return (str(ipaddress.ip_address(host)) if ":" in host else host.lower(), port)
+
+
+def split_host_port(text: str) -> tuple[str, int] | None:
+    """(host, port) of a bind address, ``host:port`` or ``[v6]:port``; wildcards and port 0
+    are allowed, and the host is not checked. None when ``text`` does not end in ``:digits``."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    return (host[1:-1] if host.startswith("[") and host.endswith("]") else host), int(port)
+
+
+def join_host_port(host: str, port: int) -> str:
+    """``host:port``, with an IPv6 host in brackets (the inverse of ``parse_address``)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 # -- rendering -------------------------------------------------------------------------------
 
 _ESCAPES = {
@@ -134,7 +158,7 @@ def _toml_value(value: object) -> str:
 
 def _node_lines(node: Node) -> list[str]:
     lines = ["[[nodes]]"]
-    # Fixed key order (spec: id, address, role, stage, rank); unset keys are left out.
+    # Fixed key order (id, address, role, stage, rank); unset keys are left out.
     for key in ("id", "address", "role", "stage", "rank"):
         value = getattr(node, key)
         if value is not None:

@@ -1,4 +1,4 @@
-"""Elastic repartitioning as a pure state machine (spec: "Elastic repartitioning").
+"""Elastic repartitioning as a pure state machine (docs/elastic.md).
 
     Idle -> Draining -> Rebalancing -> Resuming -> Idle,  and any step -> Failed
 

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from mlxppd.core.cpu_weights import CpuWeights
 from mlxppd.core.errors import ConfigurationError
+from mlxppd.core.strict import StrictModel
 
 
-class GenerateSettings(BaseModel):
+class GenerateSettings(StrictModel):
     """One in-process pipeline generation."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str | None = Field(None, description="model directory or HF id; None = embedded model")
     prompt: str = Field(..., description="the prompt text")

@@ -11,6 +11,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+#: the budget of a stage with no KV budget configured: one that never binds
+UNLIMITED_BYTES = 1 << 62
+
 
 class RejectReason(StrEnum):
     MEMORY = "memory"

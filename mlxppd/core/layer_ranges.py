@@ -226,7 +226,7 @@ def even_split(num_layers: int, num_stages: int) -> tuple[LayerRange, ...]:
     """Split ``num_layers`` into ``num_stages`` contiguous ranges whose sizes differ by at most 1.
 
     Earlier stages get the extra layer (stage 0 also embeds, but the last stage runs the lm_head,
-    so neither end is clearly lighter; this matches the spec's examples).
+    so neither end is clearly lighter).
     """
     if num_layers < 1:
         raise ConfigurationError(f"the model has {num_layers} layers; nothing to split")

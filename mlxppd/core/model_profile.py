@@ -12,28 +12,15 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mlxppd.core.errors import ConfigurationError
+from mlxppd.core.families import FAMILIES
 from mlxppd.core.layer_ranges import AdjacencyGroup, LayerRange
-from mlxppd.core.profile_families import (
-    dense_fallback,
-    gemma3,
-    gemma4,
-    glm4,
-    glm4_moe,
-    gpt_oss,
-    llama,
-    llama4,
-    llama4_text,
-    mixtral,
-    qwen3,
-)
-from mlxppd.core.profile_hybrid import jamba, nemotron_h, qwen3_5, qwen3_next
-from mlxppd.core.profile_mla import deepseek_v3, glm4_moe_lite, glm_moe_dsa, kimi_k3
+from mlxppd.core.profile_families import dense_fallback
 from mlxppd.core.profile_pricing import (
     Layout,
     Pricer,
@@ -49,39 +36,10 @@ __all__ = [
     "read_model_config",
 ]
 
-FamilyBuilder = Callable[[Mapping[str, Any], Pricer], Layout]
-
-# config.json model_type -> the layout builder mirroring mlx-lm's class for it
-_BUILDERS: dict[str, FamilyBuilder] = {
-    "llama": llama,
-    "mistral": llama,  # mlx-lm loads mistral with llama.py
-    "mixtral": mixtral,
-    "deepseek_v3": deepseek_v3,
-    "kimi_k2": deepseek_v3,  # mlx-lm's remapping
-    "llama4": llama4,
-    "llama4_text": llama4_text,
-    "gpt_oss": gpt_oss,
-    "gemma3": gemma3,
-    "gemma3_text": gemma3,
-    "gemma4": gemma4,
-    "gemma4_text": gemma4,
-    "glm4": glm4,
-    "glm4_moe": glm4_moe,
-    "glm4_moe_lite": glm4_moe_lite,
-    "glm_moe_dsa": glm_moe_dsa,
-    "qwen3": qwen3,
-    "qwen3_5": qwen3_5,
-    "qwen3_5_moe": qwen3_5,
-    "qwen3_next": qwen3_next,
-    "jamba": jamba,
-    "nemotron_h": nemotron_h,
-    "kimi_k3": kimi_k3,
-}
-
 
 def profiled_model_types() -> tuple[str, ...]:
     """The model types priced by a dedicated layout (others fall back to llama-like blocks)."""
-    return tuple(sorted(_BUILDERS))
+    return tuple(sorted(FAMILIES))
 
 
 @dataclass(frozen=True)
@@ -159,7 +117,8 @@ def _pricer(config: Mapping[str, Any], notes: list[str]) -> Pricer:
 
 def _layout(config: Mapping[str, Any], pricer: Pricer, notes: list[str]) -> Layout:
     model_type = str(config.get("model_type", ""))
-    layout = _BUILDERS.get(model_type, dense_fallback)(config, pricer)
+    spec = FAMILIES.get(model_type)
+    layout = (spec.profile if spec is not None else dense_fallback)(config, pricer)
     layout.notes[:0] = notes
     return layout
 
@@ -214,7 +173,11 @@ def profile_tensors(config: Mapping[str, Any]) -> dict[str, dict[str, int]]:
 
 
 def read_model_config(path: Path) -> dict[str, Any]:
-    """config.json of a model directory, or the file itself when ``path`` is a JSON file."""
+    """config.json of a model directory, or the file itself when ``path`` is a JSON file.
+
+    The one reader of config.json (the engine, runtime and CLI all use it): a missing file,
+    malformed JSON or a non-object raise ConfigurationError saying which.
+    """
     file = path / "config.json" if path.is_dir() else path
     try:
         config = json.loads(file.read_text(encoding="utf-8"))

@@ -302,7 +302,7 @@ def _imbalance_of(
 
 def _group_sentence(plan: PartitionPlan) -> str:
     """'Heaviest stage 1 carries adjacency group 0..7 (why)' for the stage holding the widest
-    group span (the spec's wording when that stage is also the heaviest)."""
+    group span (docs/partitioning.md's wording when that stage is also the heaviest)."""
     groups = plan.profile.adjacency_groups
     heaviest = max(plan.stages, key=lambda s: s.estimated_memory_bytes)
     first, last = max(_merged_groups(groups), key=lambda sp: sp[1] - sp[0])

@@ -82,7 +82,7 @@ class PartitionQualityReport:
         return replace(self, stages=stages)
 
     def format(self) -> str:
-        """The multi-line block of the spec, warnings last."""
+        """The multi-line block docs/partitioning.md shows, warnings last."""
         lines = [
             f"pipeline partition quality: {len(self.stages)} stages, max={self.max_bytes} bytes, "
             f"min={self.min_bytes} bytes, imbalance={self.imbalance:.2f}x"

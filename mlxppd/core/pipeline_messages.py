@@ -8,16 +8,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import Field, TypeAdapter
+
+from mlxppd.core.strict import StrictModel
 
 SeqId = Annotated[str, Field(min_length=1, max_length=128)]
 
 
-class _Meta(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class ForwardMeta(_Meta):
+class ForwardMeta(StrictModel):
     """ACTIVATION: run the stage's layers on this input for one sequence."""
 
     seq: SeqId
@@ -27,7 +25,7 @@ class ForwardMeta(_Meta):
     sent_at: float | None = Field(None, description="sender's wall clock at send, seconds")
 
 
-class TokenMeta(_Meta):
+class TokenMeta(StrictModel):
     """TOKENS: the token the last stage sampled for a sequence."""
 
     seq: SeqId
@@ -38,7 +36,7 @@ class TokenMeta(_Meta):
 MAX_MICRO_BATCH = 256
 
 
-class BatchForwardMeta(_Meta):
+class BatchForwardMeta(StrictModel):
     """ACTIVATION for a decode micro-batch: one token per sequence, one batched forward pass.
 
     The group keeps its batched KV caches between steps on every stage. ``seqs`` lists the
@@ -54,7 +52,7 @@ class BatchForwardMeta(_Meta):
     sent_at: float | None = Field(None, description="sender's wall clock at send, seconds")
 
 
-class BatchTokenMeta(_Meta):
+class BatchTokenMeta(StrictModel):
     """TOKENS for a decode micro-batch: one sampled token per member, in batch order."""
 
     group: Annotated[str, Field(min_length=1, max_length=64)]
@@ -70,7 +68,7 @@ def regroup(previous: list[str], requested: list[str]) -> list[str]:
     return kept + [s for s in requested if s not in set(previous)]
 
 
-class Admit(_Meta):
+class Admit(StrictModel):
     op: Literal["admit"] = "admit"
     rid: int = Field(ge=0, description="request id echoed in the reply")
     seq: SeqId
@@ -88,12 +86,12 @@ class Admit(_Meta):
     )
 
 
-class Release(_Meta):
+class Release(StrictModel):
     op: Literal["release"] = "release"
     seq: SeqId
 
 
-class Configure(_Meta):
+class Configure(StrictModel):
     """Tell a stage where its output goes (None on the last stage: back to the sender)."""
 
     op: Literal["configure"] = "configure"
@@ -104,19 +102,19 @@ class Configure(_Meta):
     trace: bool = Field(False, description="record trace events until asked for them")
 
 
-class TraceDump(_Meta):
+class TraceDump(StrictModel):
     """Send the recorded trace events (and forget them)."""
 
     op: Literal["trace"] = "trace"
     rid: int = Field(ge=0)
 
 
-class Status(_Meta):
+class Status(StrictModel):
     op: Literal["status"] = "status"
     rid: int = Field(ge=0)
 
 
-class Admission(_Meta):
+class Admission(StrictModel):
     """Open or close a stage's admission (an elastic drain closes every stage)."""
 
     op: Literal["admission"] = "admission"
@@ -125,7 +123,7 @@ class Admission(_Meta):
     state: str = Field("idle", max_length=32, description="elastic state to report meanwhile")
 
 
-class Reassign(_Meta):
+class Reassign(StrictModel):
     """Elastic resume, in two phases so that a failure anywhere changes nothing anywhere:
     ``prepare`` loads the stage's new layers beside the old, ``commit`` switches to them,
     ``abort`` drops what ``prepare`` loaded."""

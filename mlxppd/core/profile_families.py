@@ -9,7 +9,7 @@ hybrids in ``profile_hybrid``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mlxppd.core.errors import ConfigurationError
@@ -153,22 +153,36 @@ def gpt_oss(config: Mapping[str, Any], pricer: Pricer) -> Layout:
     return layout
 
 
+_GEMMA_NORMS = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+)
+
+
+def _gemma_text(config: Mapping[str, Any], *, vocab: int, kv_heads: int) -> tuple[ConfigView, str]:
+    """The text config of a Gemma model and its key prefix.
+
+    A VLM config nests it under ``text_config``; mlx-lm's wrapper then takes ``vocab_size`` from
+    the top level (``vocab`` when absent) and defaults the head counts its own way.
+    """
+    if not isinstance(config.get("text_config"), Mapping):
+        return ConfigView(config), ""
+    text = dict(config["text_config"])
+    text["vocab_size"] = config.get("vocab_size") or vocab
+    text.setdefault("num_attention_heads", 8)
+    text.setdefault("num_key_value_heads", kv_heads)
+    return ConfigView(text, "text_config."), "language_model."
+
+
 def gemma3(config: Mapping[str, Any], pricer: Pricer) -> Layout:
     """gemma3_text.py (and gemma3.py's text tower): 4 norms per block, q/k norms, tied head.
 
     mlx-lm ties the head when the checkpoint has no ``lm_head.weight``; Gemma 3 checkpoints
     ship without one, so the profile ties unless ``tie_word_embeddings`` is false.
     """
-    wrapped = isinstance(config.get("text_config"), Mapping)
-    if wrapped:
-        # gemma3.py overrides these text_config fields from the top level / its own defaults.
-        text = dict(config["text_config"])
-        text["vocab_size"] = config.get("vocab_size") or 262208
-        text.setdefault("num_attention_heads", 8)
-        text.setdefault("num_key_value_heads", 4)
-        c, prefix = ConfigView(text, "text_config."), "language_model."
-    else:
-        c, prefix = ConfigView(config), ""
+    c, prefix = _gemma_text(config, vocab=262208, kv_heads=4)
     hidden, n = c.int("hidden_size", 1152), c.int("num_hidden_layers", 26)
     heads, kv = c.int("num_attention_heads", 4), c.int("num_key_value_heads", 1)
     head_dim, inter = c.int("head_dim", 256), c.int("intermediate_size", 6912)
@@ -176,12 +190,7 @@ def gemma3(config: Mapping[str, Any], pricer: Pricer) -> Layout:
     for i, part in enumerate(layout.layers):
         attention(part, hidden, heads, kv, head_dim, qk_norm=True)
         glu_mlp(part, "mlp", hidden, inter)
-        for norm in (
-            "input_layernorm",
-            "post_attention_layernorm",
-            "pre_feedforward_layernorm",
-            "post_feedforward_layernorm",
-        ):
+        for norm in _GEMMA_NORMS:
             part.norm(norm, hidden)
         layout.kinds[i] = "attention+mlp"
     tied = ConfigView(config).bool("tie_word_embeddings", c.bool("tie_word_embeddings", True))
@@ -199,27 +208,82 @@ def gemma4(config: Mapping[str, Any], pricer: Pricer) -> Layout:
     also holds the per-layer input tables (``embed_tokens_per_layer`` and its projection): it
     computes every block's per-layer input and ships them downstream with the hidden states.
     """
-    wrapped = isinstance(config.get("text_config"), Mapping)
-    if wrapped:
-        text = dict(config["text_config"])
-        text["vocab_size"] = config.get("vocab_size") or 262144
-        text.setdefault("num_attention_heads", 8)
-        text.setdefault("num_key_value_heads", 1)
-        c, prefix = ConfigView(text, "text_config."), "language_model."
-    else:
-        c, prefix = ConfigView(config), ""
+    c, prefix = _gemma_text(config, vocab=262144, kv_heads=1)
     pricer = dataclasses.replace(pricer, rule=router_8bit("router.proj"))
     hidden, n = c.int("hidden_size", 1536), c.int("num_hidden_layers", 35)
     heads, kv = c.int("num_attention_heads", 8), c.int("num_key_value_heads", 1)
     head_dim, global_head_dim = c.int("head_dim", 256), c.int("global_head_dim", 512)
-    global_kv = c.opt_int("num_global_key_value_heads")
-    k_eq_v = c.bool("attention_k_eq_v", False)
+    attn = _Gemma4Attention(
+        hidden,
+        heads,
+        kv,
+        head_dim,
+        global_head_dim,
+        global_kv=c.opt_int("num_global_key_value_heads"),
+        k_eq_v=c.bool("attention_k_eq_v", False),
+    )
     inter = c.int("intermediate_size", 6144)
     shared = c.int("num_kv_shared_layers", 20)
     double_wide = c.bool("use_double_wide_mlp", True)
     per_layer = c.int("hidden_size_per_layer_input", 256)
     moe = c.bool("enable_moe_block", False)
-    layer_types = c.get("layer_types")
+    layer_types = _gemma4_layer_types(c, n)
+    first_shared = n - shared
+
+    layout = new_layout(pricer, "gemma4", n, f"{prefix}model.layers.")
+    for i, part in enumerate(layout.layers):
+        has_kv = i < first_shared
+        attn.add(part, sliding=layer_types[i] == "sliding_attention", has_kv=has_kv)
+        wide = double_wide and i >= first_shared > 0
+        glu_mlp(part, "mlp", hidden, inter * (2 if wide else 1))
+        for norm in _GEMMA_NORMS:
+            part.norm(norm, hidden)
+        if moe:
+            _gemma4_moe(part, c, hidden)
+        if per_layer:
+            part.linear("per_layer_input_gate", hidden, per_layer)
+            part.linear("per_layer_projection", per_layer, hidden)
+            part.norm("post_per_layer_input_norm", hidden)
+        part.param("layer_scalar", 1)
+        kind = "attention" if has_kv else "kv-shared attention"
+        layout.kinds[i] = f"{kind}+{'moe' if moe else 'mlp'}"
+
+    if shared > 0:
+        layout.groups.extend(_gemma4_kv_groups(c, layer_types, first_shared, n))
+    _gemma4_ends(layout, c, prefix, hidden, per_layer)
+    return layout
+
+
+@dataclasses.dataclass(frozen=True)
+class _Gemma4Attention:
+    """Gemma 4's attention: full-attention blocks use their own head size and K/V head count."""
+
+    hidden: int
+    heads: int
+    kv: int
+    head_dim: int
+    global_head_dim: int
+    global_kv: int | None
+    k_eq_v: bool
+
+    def add(self, part: Part, *, sliding: bool, has_kv: bool) -> None:
+        """The block's attention tensors; a KV-shared block has no K/V projections or norm."""
+        dim = self.global_head_dim if not sliding and self.global_head_dim else self.head_dim
+        use_k_eq_v = self.k_eq_v and not sliding
+        n_kv = self.global_kv if use_k_eq_v and self.global_kv is not None else self.kv
+        part.linear("self_attn.q_proj", self.hidden, self.heads * dim)
+        part.linear("self_attn.o_proj", self.heads * dim, self.hidden)
+        part.norm("self_attn.q_norm", dim)
+        if has_kv:
+            part.linear("self_attn.k_proj", self.hidden, n_kv * dim)
+            if not use_k_eq_v:
+                part.linear("self_attn.v_proj", self.hidden, n_kv * dim)
+            part.norm("self_attn.k_norm", dim)
+
+
+def _gemma4_layer_types(c: ConfigView, n: int) -> Sequence[str]:
+    """``layer_types``, or the ``sliding_window_pattern`` it defaults to."""
+    layer_types: Sequence[str] | None = c.get("layer_types")
     if layer_types is None:
         pattern_len = c.int("sliding_window_pattern", 5)
         pattern = ["sliding_attention"] * (pattern_len - 1) + ["full_attention"]
@@ -230,67 +294,46 @@ def gemma4(config: Mapping[str, Any], pricer: Pricer) -> Layout:
             source="config.json",
             key="layer_types",
         )
-    first_shared = n - shared
+    return layer_types
 
-    layout = new_layout(pricer, "gemma4", n, f"{prefix}model.layers.")
-    for i, part in enumerate(layout.layers):
-        sliding = layer_types[i] == "sliding_attention"
-        has_kv = i < first_shared
-        dim = global_head_dim if not sliding and global_head_dim else head_dim
-        use_k_eq_v = k_eq_v and not sliding
-        n_kv = global_kv if use_k_eq_v and global_kv is not None else kv
-        part.linear("self_attn.q_proj", hidden, heads * dim)
-        part.linear("self_attn.o_proj", heads * dim, hidden)
-        part.norm("self_attn.q_norm", dim)
-        if has_kv:
-            part.linear("self_attn.k_proj", hidden, n_kv * dim)
-            if not use_k_eq_v:
-                part.linear("self_attn.v_proj", hidden, n_kv * dim)
-            part.norm("self_attn.k_norm", dim)
-        wide = double_wide and i >= first_shared > 0
-        glu_mlp(part, "mlp", hidden, inter * (2 if wide else 1))
-        for norm in (
-            "input_layernorm",
-            "post_attention_layernorm",
-            "pre_feedforward_layernorm",
-            "post_feedforward_layernorm",
-        ):
-            part.norm(norm, hidden)
-        if moe:
-            experts = c.int("num_experts")
-            part.linear("router.proj", hidden, experts)
-            part.param("router.scale", hidden)
-            part.param("router.per_expert_scale", experts)
-            switch_glu(part, "experts.switch_glu", hidden, c.int("moe_intermediate_size"), experts)
-            for norm in (
-                "post_feedforward_layernorm_1",
-                "post_feedforward_layernorm_2",
-                "pre_feedforward_layernorm_2",
-            ):
-                part.norm(norm, hidden)
-        if per_layer:
-            part.linear("per_layer_input_gate", hidden, per_layer)
-            part.linear("per_layer_projection", per_layer, hidden)
-            part.norm("post_per_layer_input_norm", hidden)
-        part.param("layer_scalar", 1)
-        kind = "attention" if has_kv else "kv-shared attention"
-        layout.kinds[i] = f"{kind}+{'moe' if moe else 'mlp'}"
 
-    if shared > 0:
-        last_of_kind = {layer_types[i]: i for i in range(first_shared)}
-        for j in range(first_shared, n):
-            source = last_of_kind.get(layer_types[j])
-            if source is None:
-                raise ConfigurationError(
-                    f"KV-shared layer {j} is {layer_types[j]!r} but no earlier layer of that kind "
-                    "holds a cache to share",
-                    source="config.json",
-                    key=f"{c.key_prefix}layer_types",
-                )
-            layout.groups.append(
-                AdjacencyGroup(source, j, f"layer {j} reads the KV cache of layer {source}")
+def _gemma4_moe(part: Part, c: ConfigView, hidden: int) -> None:
+    """The MoE branch a block carries next to its dense MLP (``enable_moe_block``)."""
+    experts = c.int("num_experts")
+    part.linear("router.proj", hidden, experts)
+    part.param("router.scale", hidden)
+    part.param("router.per_expert_scale", experts)
+    switch_glu(part, "experts.switch_glu", hidden, c.int("moe_intermediate_size"), experts)
+    for norm in (
+        "post_feedforward_layernorm_1",
+        "post_feedforward_layernorm_2",
+        "pre_feedforward_layernorm_2",
+    ):
+        part.norm(norm, hidden)
+
+
+def _gemma4_kv_groups(
+    c: ConfigView, layer_types: Sequence[str], first_shared: int, n: int
+) -> list[AdjacencyGroup]:
+    """One group per KV-shared block and the last earlier block of its kind it reads."""
+    last_of_kind = {layer_types[i]: i for i in range(first_shared)}
+    groups = []
+    for j in range(first_shared, n):
+        source = last_of_kind.get(layer_types[j])
+        if source is None:
+            raise ConfigurationError(
+                f"KV-shared layer {j} is {layer_types[j]!r} but no earlier layer of that kind "
+                "holds a cache to share",
+                source="config.json",
+                key=f"{c.key_prefix}layer_types",
             )
+        groups.append(AdjacencyGroup(source, j, f"layer {j} reads the KV cache of layer {source}"))
+    return groups
 
+
+def _gemma4_ends(layout: Layout, c: ConfigView, prefix: str, hidden: int, per_layer: int) -> None:
+    """Embedding and head, plus the per-layer input tables stage 0 holds."""
+    n = len(layout.layers)
     tied = c.bool("tie_word_embeddings", True)
     model = f"{prefix}model."
     add_ends(
@@ -301,7 +344,6 @@ def gemma4(config: Mapping[str, Any], pricer: Pricer) -> Layout:
         layout.embedding.embedding(f"{model}embed_tokens_per_layer", vocab_per_layer, n * per_layer)
         layout.embedding.linear(f"{model}per_layer_model_projection", hidden, n * per_layer)
         layout.embedding.norm(f"{model}per_layer_projection_norm", per_layer)
-    return layout
 
 
 def glm4(config: Mapping[str, Any], pricer: Pricer) -> Layout:

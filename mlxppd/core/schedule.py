@@ -1,8 +1,12 @@
-"""The GPipe schedule: which stage runs which micro-batch when, as pure values.
+"""The GPipe model of a pipeline pass, as pure values: the yardstick, not the runtime.
 
 With ``k`` stages and ``m`` micro-batches, stage ``s`` runs micro-batch ``b`` at tick ``s + b``;
-the ``k - 1`` ticks each stage waits at the start (or finishes early) are the pipeline bubble.
-The runtime follows each stage's program; nothing here blocks or keeps time.
+the ``k - 1`` ticks each stage waits at the start (or finishes early) are the pipeline bubble,
+``bubble_fraction``. The runtime does not run these programs: stages forward whatever arrives
+and the coordinator's micro-batcher keeps decoding sequences cycling. What is used is
+``suggested_micro_batch_size`` (the ``--pp-micro-batch-size auto`` default of ``mlxppd serve``)
+and ``bubble_fraction``, the theoretical figure ``bench/bubble.py`` sets next to the measured
+bubble; the tick-by-tick schedule (``GPipeSchedule``) states the model its tests check.
 """
 
 from __future__ import annotations

@@ -1,1 +1,1 @@
-"""engine layer of mlxppd (see DESIGN.md)."""
+"""engine layer of mlxppd (see docs/architecture.md)."""

@@ -1,4 +1,6 @@
-"""A model directory in mlx-lm format: resolving it, reading its config, loading some tensors.
+"""A model directory in mlx-lm format: resolving it and loading some of its tensors.
+
+Its config.json is read by ``mlxppd.core.model_profile.read_model_config``, the one reader.
 
 Safetensors files are opened lazily by ``mx.load``: a tensor's bytes are read only when it is
 evaluated, so a stage that keeps only its own tensors never reads the others from disk.
@@ -9,7 +11,6 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import mlx.core as mx
 
@@ -47,22 +48,6 @@ def resolve_model_dir(
             source="--model",
         ) from exc
     return Path(resolved)
-
-
-def read_config(model_dir: Path) -> dict[str, Any]:
-    """config.json as a dict, with a clear error when it is missing or malformed."""
-    path = model_dir / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except FileNotFoundError as exc:
-        raise ConfigurationError("config.json is missing", source=str(model_dir)) from exc
-    except json.JSONDecodeError as exc:
-        raise ConfigurationError(
-            f"not valid JSON (line {exc.lineno}): {exc.msg}", source=str(path)
-        ) from exc
-    if not isinstance(config, dict):
-        raise ConfigurationError("expected a JSON object", source=str(path))
-    return config
 
 
 def weight_files(model_dir: Path) -> list[Path]:

@@ -6,13 +6,13 @@ import hashlib
 from pathlib import Path
 
 from mlxppd.core.assignment import ModelIdentity
+from mlxppd.core.model_profile import read_model_config
 from mlxppd.engine.families import family_for
-from mlxppd.engine.model_files import read_config
 
 
 def model_identity(model_dir: Path) -> ModelIdentity:
     """config.json's hash, the weight files' names and sizes, and the layer count."""
-    config = read_config(model_dir)
+    config = read_model_config(model_dir)
     files = sorted(
         (p.name, p.stat().st_size) for p in model_dir.iterdir() if p.suffix == ".safetensors"
     )

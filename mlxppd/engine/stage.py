@@ -17,11 +17,12 @@ from mlx.utils import tree_flatten
 
 from mlxppd.core.cpu_weights import CpuWeights
 from mlxppd.core.errors import ConfigurationError
+from mlxppd.core.model_profile import read_model_config
 from mlxppd.core.stages import StageSpec
 from mlxppd.engine.cpu_weights import float32_weights, resolve_for_stage
 from mlxppd.engine.families import family_for
-from mlxppd.engine.families.base import StageNet
-from mlxppd.engine.model_files import load_tensors, read_config
+from mlxppd.engine.families.base import Family, StageNet
+from mlxppd.engine.model_files import load_tensors
 
 
 @dataclass
@@ -89,16 +90,8 @@ def load_stage(
     ``weights_mode``: FLOAT32 dequantizes and casts the stage's tensors to float32; AUTO picks
     it on a CPU host with an optimized BLAS and room for it (``engine.cpu_weights``).
     """
-    config = config or read_config(model_dir)
-    family = family_for(config)
-    total = family.num_layers(config)
-    if spec.end > total or spec.start < 0 or spec.start >= spec.end:
-        raise ConfigurationError(
-            f"stage {spec.index} asks for layers {spec.start}-{spec.end - 1} "
-            f"but the model has layers 0-{total - 1}",
-            source="--pp-layers",
-        )
-    family.check_split(config, spec)
+    config = config or read_model_config(model_dir)
+    family = _family_for_split(config, spec)
     weights_mode, weights_reason = resolve_for_stage(weights_mode, config, spec)
 
     model_class, args_class = model_classes(config)
@@ -118,8 +111,7 @@ def load_stage(
     elif quantized:
         nn.quantize(model, class_predicate=lambda p, m: _quant_params(config, p, m, weights))
 
-    flat = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
-    expected = [name for name, _ in flat]
+    expected = [name for name, _ in _flat(model)]
     missing = [name for name in expected if name not in weights]
     if missing:
         raise ConfigurationError(
@@ -127,29 +119,13 @@ def load_stage(
             f"(first: {missing[0]}); is the model directory complete?",
             source=str(model_dir),
         )
-    held: dict[str, mx.array] = {}
-    if reuse is not None:
-        held = dict(cast(list[tuple[str, mx.array]], tree_flatten(reuse.net.model.parameters())))
-    chosen = []
-    reused = 0
-    for name in expected:
-        old = held.get(name)
-        if (
-            old is not None
-            and old.shape == weights[name].shape
-            and old.dtype == weights[name].dtype
-        ):
-            chosen.append((name, old))
-            reused += 1
-        else:
-            chosen.append((name, weights[name]))
+    chosen, reused = _take_over(expected, weights, reuse)
     # strict: every parameter is replaced by a checkpoint tensor of the same shape.
     model.load_weights(chosen, strict=True)
     # Only the lazily opened tensors are read here; reused ones are already in memory.
     mx.eval(model.parameters())
     model.eval()
-    params = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
-    nbytes = sum(v.nbytes for _, v in params)
+    nbytes = sum(v.nbytes for _, v in _flat(model))
     return LoadedStage(
         spec=spec,
         net=StageNet(family, model, spec),
@@ -164,3 +140,39 @@ def load_stage(
 
 def _never(_path: str, _module: nn.Module) -> bool:
     return False
+
+
+def _flat(model: nn.Module) -> list[tuple[str, mx.array]]:
+    return cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
+
+
+def _family_for_split(config: dict[str, Any], spec: StageSpec) -> Family:
+    """The model's family, once the stage's layer range is known to be one it can hold."""
+    family = family_for(config)
+    total = family.num_layers(config)
+    if spec.end > total or spec.start < 0 or spec.start >= spec.end:
+        raise ConfigurationError(
+            f"stage {spec.index} asks for layers {spec.start}-{spec.end - 1} "
+            f"but the model has layers 0-{total - 1}",
+            source="--pp-layers",
+        )
+    family.check_split(config, spec)
+    return family
+
+
+def _take_over(
+    expected: list[str], weights: dict[str, mx.array], reuse: LoadedStage | None
+) -> tuple[list[tuple[str, mx.array]], int]:
+    """Each parameter's tensor: the replaced stage's when it holds the same one (a repartition
+    keeps its layers), else the checkpoint's. Returns them and how many were taken over."""
+    held = dict(_flat(reuse.net.model)) if reuse is not None else {}
+    chosen = []
+    reused = 0
+    for name in expected:
+        old, new = held.get(name), weights[name]
+        if old is not None and old.shape == new.shape and old.dtype == new.dtype:
+            chosen.append((name, old))
+            reused += 1
+        else:
+            chosen.append((name, new))
+    return chosen, reused

@@ -1,1 +1,1 @@
-"""http layer of mlxppd (see DESIGN.md)."""
+"""http layer of mlxppd (see docs/architecture.md)."""

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
 from mlxppd.core.cluster_health import overall_health
+from mlxppd.core.strict import StrictModel
 from mlxppd.http.errors import ApiError, error_response
 from mlxppd.wire.admin_auth import AdminAuthError, AdminVerifier
 
@@ -82,10 +83,8 @@ class AdminController(Protocol):
         ...
 
 
-class RepartitionRequest(BaseModel):
+class RepartitionRequest(StrictModel):
     """The body of POST /admin/v1/repartition."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     stage_memory: list[int | None] | None = Field(
         None, max_length=1024, description="memory budget per stage in bytes (null: unlimited)"
@@ -154,56 +153,7 @@ def add_admin_routes(
         return _json(await controller.events(after))
 
     def guarded(route: str, action: Callable[[web.Request], Awaitable[web.Response]]) -> Handler:
-        async def handler(request: web.Request) -> web.StreamResponse:
-            body = await _read_bounded(request)
-            if body is None:
-                return error_response(
-                    ApiError(
-                        413,
-                        f"an admin request body is at most {MAX_ADMIN_BODY_BYTES} bytes",
-                        code="request_too_large",
-                    )
-                )
-            try:
-                # raw_path is the path (and query) exactly as the client sent and signed it.
-                verifier.verify(
-                    request.headers.get("Authorization"), request.method, request.raw_path, body
-                )
-            except AdminAuthError as exc:
-                # The route, not the raw path, and never the header: neither can smuggle text in.
-                log.warning(
-                    "admin request refused: %s %s from %s: %s",
-                    request.method,
-                    route,
-                    request.remote or "unknown peer",
-                    exc.reason,
-                )
-                if on_auth_failure is not None:
-                    on_auth_failure(exc.reason)
-                return error_response(
-                    ApiError(
-                        401,
-                        _MESSAGES[exc.reason],
-                        type="authentication_error",
-                        code=exc.reason,
-                        headers={"WWW-Authenticate": "MLXPP-HMAC"},
-                    )
-                )
-            request[_BODY] = body
-            try:
-                return await action(request)
-            except Exception:
-                log.exception("admin request %s %s failed", request.method, route)
-                return error_response(
-                    ApiError(
-                        500,
-                        "the admin request failed; the coordinator's log has the details",
-                        type="server_error",
-                        code="internal_error",
-                    )
-                )
-
-        return handler
+        return _guarded(route, action, verifier, on_auth_failure)
 
     app.router.add_get(STATUS_PATH, guarded(STATUS_PATH, status), allow_head=False)
     app.router.add_post(DRAIN_PATH, guarded(DRAIN_PATH, drain))
@@ -229,3 +179,72 @@ async def _read_bounded(request: web.Request) -> bytes | None:
             return None
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def _guarded(
+    route: str,
+    action: Callable[[web.Request], Awaitable[web.Response]],
+    verifier: AdminVerifier,
+    on_auth_failure: Callable[[str], None] | None,
+) -> Handler:
+    """``action`` behind a bounded body, a verified signature, and one JSON error on failure."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        body = await _read_bounded(request)
+        if body is None:
+            return error_response(
+                ApiError(
+                    413,
+                    f"an admin request body is at most {MAX_ADMIN_BODY_BYTES} bytes",
+                    code="request_too_large",
+                )
+            )
+        try:
+            # raw_path is the path (and query) exactly as the client sent and signed it.
+            verifier.verify(
+                request.headers.get("Authorization"), request.method, request.raw_path, body
+            )
+        except AdminAuthError as exc:
+            return _refused(request, route, exc, on_auth_failure)
+        request[_BODY] = body
+        try:
+            return await action(request)
+        except Exception:
+            log.exception("admin request %s %s failed", request.method, route)
+            return error_response(
+                ApiError(
+                    500,
+                    "the admin request failed; the coordinator's log has the details",
+                    type="server_error",
+                    code="internal_error",
+                )
+            )
+
+    return handler
+
+
+def _refused(
+    request: web.Request,
+    route: str,
+    exc: AdminAuthError,
+    on_auth_failure: Callable[[str], None] | None,
+) -> web.Response:
+    # The route, not the raw path, and never the header: neither can smuggle text in.
+    log.warning(
+        "admin request refused: %s %s from %s: %s",
+        request.method,
+        route,
+        request.remote or "unknown peer",
+        exc.reason,
+    )
+    if on_auth_failure is not None:
+        on_auth_failure(exc.reason)
+    return error_response(
+        ApiError(
+            401,
+            _MESSAGES[exc.reason],
+            type="authentication_error",
+            code=exc.reason,
+            headers={"WWW-Authenticate": "MLXPP-HMAC"},
+        )
+    )

@@ -7,7 +7,6 @@ request through that same HTTP API and prints the answer (the demo and a smoke t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import sys
 import time
@@ -20,9 +19,9 @@ from mlxppd.core.cpu_weights import CpuWeights, float32_config
 from mlxppd.core.elastic import policy_with
 from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.layer_ranges import LayerRange
-from mlxppd.core.model_profile import profile_from_config
+from mlxppd.core.model_profile import profile_from_config, read_model_config
 from mlxppd.engine.families import family_for
-from mlxppd.engine.model_files import read_config, resolve_model_dir
+from mlxppd.engine.model_files import resolve_model_dir
 from mlxppd.http.admin_api import AdminApi
 from mlxppd.http.openai_api import create_app, create_metrics_app
 from mlxppd.runtime import event_loop
@@ -42,6 +41,7 @@ from mlxppd.runtime.serve import (
     write_ready,
 )
 from mlxppd.wire.admin_auth import AdminVerifier, admin_key
+from mlxppd.wire.tasks import spawn, stop_tasks
 
 log = logging.getLogger("mlxppd.serve")
 
@@ -107,7 +107,7 @@ async def run_coordinator_node(options: NodeOptions) -> int:
     gate.coordinator = coordinator
     assert coordinator.plan is not None
     model_dir = resolve_model_dir(options.model)
-    config = read_config(model_dir)
+    config = read_model_config(model_dir)
     driver = ElasticDriver(
         policy,
         coordinator.plan,
@@ -144,7 +144,7 @@ async def run_coordinator_node(options: NodeOptions) -> int:
             "--cluster-secret-file %s`", http, options.secret_file or "<the cluster secret>",
         )  # fmt: skip
     stop_watch = asyncio.Event()
-    watch = asyncio.create_task(driver.watch_pressure(stop_watch), name="elastic-pressure")
+    watch = spawn(driver.watch_pressure(stop_watch), name="elastic-pressure")
     try:
         if options.once_prompt is not None:
             await ask_once(gate, options, admin=admin)
@@ -154,8 +154,7 @@ async def run_coordinator_node(options: NodeOptions) -> int:
     finally:
         stop_watch.set()
         await driver.close()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watch
+        await stop_tasks(watch, cancel=False)
         await coordinator.close()
 
 
@@ -190,12 +189,10 @@ async def ask_once(
 
     def on_ready(url: str) -> None:
         print(f"POST {url}/v1/chat/completions: {options.once_prompt}", file=sys.stderr)
-        tasks.append(asyncio.create_task(client(url), name="once-client"))
+        tasks.append(spawn(client(url), name="once-client"))
 
     await serve_http(backend, options, on_ready=on_ready, stop=stop, admin=admin)
-    for task in tasks:
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+    await stop_tasks(*tasks, cancel=False)
     if answer.get("_status") != 200:
         raise ConfigurationError(f"the chat request failed: {answer}")
     print(answer["choices"][0]["message"]["content"])
@@ -216,7 +213,7 @@ async def run_inprocess(options: NodeOptions, model_dir: Path) -> int:
             "add --pp-size 2 (or more) or --distributed-config",
             source="mlxppd serve",
         )
-    config = read_config(model_dir)
+    config = read_model_config(model_dir)
     ranges = ((0, family_for(config).num_layers(config)),)
     mlx = MlxThread("mlx")
     try:

@@ -1,1 +1,1 @@
-"""runtime layer of mlxppd (see DESIGN.md)."""
+"""runtime layer of mlxppd (see docs/architecture.md)."""

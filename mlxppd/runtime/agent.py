@@ -24,7 +24,8 @@ from mlxppd.core.agent_settings import CLUSTER_FILE, HOST_FILE, HostSettings, lo
 from mlxppd.core.cluster_config import parse_cluster_config
 from mlxppd.core.elastic import policy_with
 from mlxppd.core.errors import ConfigurationError, MlxppError
-from mlxppd.engine.model_files import read_config, resolve_model_dir
+from mlxppd.core.model_profile import read_model_config
+from mlxppd.engine.model_files import resolve_model_dir
 from mlxppd.engine.tokenizer import load_tokenizer
 from mlxppd.runtime.agent_actions import AgentContext, NodeRuntime
 from mlxppd.runtime.gated_backend import GatedBackend
@@ -33,6 +34,7 @@ from mlxppd.runtime.mlx_thread import MlxThread
 from mlxppd.runtime.sd_notify import SdNotifier, watchdog_loop
 from mlxppd.runtime.service_logging import configure_logging
 from mlxppd.wire.secret import load_cluster_secret
+from mlxppd.wire.tasks import race, spawn, stop_tasks
 
 log = logging.getLogger("mlxppd.agent")
 
@@ -85,7 +87,7 @@ def load_configuration(
         if "state_dir" in host.model_fields_set and not environ.get("MLXPP_MODEL_CACHE"):
             cache = Path(host.state_dir) / "models"
         model_dir = resolve_model_dir(host.model, cache_dir=cache)
-    config = read_config(model_dir)
+    config = read_model_config(model_dir)
     desired = desired_state(cluster, host, node, config, config_generation(raw))
     return desired, AgentContext(cluster, host, secret, model_dir, config)
 
@@ -264,26 +266,25 @@ class Agent:
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
         tasks = [
-            asyncio.create_task(self._watch(stop), name="agent-watch-config"),
-            asyncio.create_task(watchdog_loop(self.notifier, stop), name="agent-watchdog"),
+            spawn(self._watch(stop), name="agent-watch-config"),
+            spawn(watchdog_loop(self.notifier, stop), name="agent-watchdog"),
         ]
         try:
             while not stop.is_set():
-                await _race(self.reconcile(), stop)
+                # A stop (SIGTERM) during a long reconcile (a slow connect) cancels it.
+                await race(self.reconcile(), stop.wait())
                 if stop.is_set():
                     break
-                await _wait_any(self._changed, stop, self.host.reconcile_interval_s)
+                await race(
+                    self._changed.wait(), stop.wait(), timeout=self.host.reconcile_interval_s
+                )
                 if self._changed.is_set() and not stop.is_set():
                     self._changed.clear()
                     self.load()
             await self.shutdown()
             return 0
         finally:
-            for task in tasks:
-                task.cancel()
-            for task in tasks:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+            await stop_tasks(*tasks, ignore_errors=True)
             self.mlx.close()
 
     async def shutdown(self) -> None:
@@ -321,27 +322,4 @@ class Agent:
             except (FileNotFoundError, RuntimeError) as exc:
                 # The directory may be replaced as a whole (e.g. a config-management tool).
                 log.warning("agent: watching %s failed (%s); retrying", self.config_dir, exc)
-                await _wait_any(asyncio.Event(), stop, 2.0)
-
-
-async def _race(work: Awaitable[None], stop: asyncio.Event) -> None:
-    """Run ``work``; cancel it if ``stop`` is set first (SIGTERM during a long connect)."""
-    task = asyncio.ensure_future(work)
-    stopper = asyncio.create_task(stop.wait())
-    try:
-        await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stopper.cancel()
-        if not task.done():
-            task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-
-async def _wait_any(event: asyncio.Event, stop: asyncio.Event, timeout_s: float) -> None:
-    waits = [asyncio.create_task(event.wait()), asyncio.create_task(stop.wait())]
-    try:
-        await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for w in waits:
-            w.cancel()
+                await race(stop.wait(), timeout=2.0)

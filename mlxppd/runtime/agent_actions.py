@@ -37,6 +37,7 @@ from mlxppd.core.agent_settings import HostSettings
 from mlxppd.core.cluster_config import ClusterConfig, ElasticPolicy
 from mlxppd.core.cpu_weights import float32_config
 from mlxppd.core.errors import TemporaryError
+from mlxppd.core.kv_admission import UNLIMITED_BYTES
 from mlxppd.core.model_profile import profile_from_config
 from mlxppd.core.stages import StageSpec
 from mlxppd.runtime.coordinator import Coordinator
@@ -44,15 +45,11 @@ from mlxppd.runtime.elastic_driver import ElasticDriver
 from mlxppd.runtime.gated_backend import GatedBackend
 from mlxppd.runtime.metrics import PipelineMetrics
 from mlxppd.runtime.mlx_thread import MlxThread
-from mlxppd.runtime.stage_loader import (
-    UNLIMITED_BYTES,
-    layer_preparer,
-    load_stage_runner,
-    stage_kv_manager,
-)
+from mlxppd.runtime.stage_loader import layer_preparer, load_stage_runner, stage_kv_manager
 from mlxppd.runtime.stage_worker import StageWorker
 from mlxppd.wire.backends import create_transport, wire_config_for
 from mlxppd.wire.secret import ClusterSecret
+from mlxppd.wire.tasks import spawn, stop_tasks
 
 log = logging.getLogger("mlxppd.agent")
 
@@ -266,7 +263,7 @@ class NodeRuntime:
                 float32_profile=profile_from_config(float32_config(ctx.model_config)),
             )
             self._driver_stop = asyncio.Event()
-            self._pressure = asyncio.create_task(
+            self._pressure = spawn(
                 self.driver.watch_pressure(self._driver_stop), name="elastic-pressure"
             )
         # HTTP first: health and the admin API answer while the pipeline connects.
@@ -314,9 +311,7 @@ class NodeRuntime:
         self._driver_stop.set()
         if self.driver is not None:
             await self.driver.close()
-        if self._pressure is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._pressure
+        await stop_tasks(self._pressure, cancel=False)
         await self._close_pipeline()
         if self.http is not None:
             await self.http.close()

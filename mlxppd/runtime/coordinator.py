@@ -42,6 +42,7 @@ from mlxppd.runtime.trace import TraceBuffer, TraceFile
 from mlxppd.wire.channel import SecureChannel
 from mlxppd.wire.codec import MessageKind
 from mlxppd.wire.errors import ChannelClosedError, FrameError
+from mlxppd.wire.tasks import spawn, stop_tasks
 from mlxppd.wire.transport import Transport
 
 log = logging.getLogger("mlxppd.coordinator")
@@ -121,7 +122,7 @@ class Coordinator:
         for node in self.cluster.stage_nodes():
             channel = await self._connect(node)
             link = _StageLink(node, channel)
-            link.reader = asyncio.create_task(self._read(link), name=f"read-{node.id}")
+            link.reader = spawn(self._read(link), name=f"read-{node.id}")
             self._links.append(link)
         nodes = [link.node for link in self._links]
         for i, link in enumerate(self._links):
@@ -145,7 +146,7 @@ class Coordinator:
             await self.warm()
         self._ready = True
         if self.metrics is not None:
-            self._poller = asyncio.create_task(self._poll_stages(), name="poll-stages")
+            self._poller = spawn(self._poll_stages(), name="poll-stages")
         log.info("coordinator: %d stages connected and warm", len(self._links))
 
     async def warm(self) -> None:
@@ -216,20 +217,14 @@ class Coordinator:
                 await asyncio.sleep(0.2)
 
     async def close(self) -> None:
-        if self._poller is not None:
-            self._poller.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._poller
+        await stop_tasks(self._poller)
         await self.flush_trace()
         self._ready = False
         for link in self._links:
             if link.reader is not None:
                 link.reader.cancel()
             await link.channel.close()
-        for link in self._links:
-            if link.reader is not None:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await link.reader
+        await stop_tasks(*(link.reader for link in self._links), cancel=False, ignore_errors=True)
         self._links.clear()
 
     # -- GenerationBackend ---------------------------------------------------------------------

@@ -42,6 +42,7 @@ from mlxppd.runtime.coordinator import Coordinator
 from mlxppd.runtime.gated_backend import GatedBackend
 from mlxppd.runtime.metrics import PipelineMetrics
 from mlxppd.runtime.stage_loader import configured_budget
+from mlxppd.wire.tasks import spawn, stop_tasks
 
 log = logging.getLogger("mlxppd.elastic")
 
@@ -122,9 +123,7 @@ class ElasticDriver:
             return {"accepted": False, "reason": str(step), "message": step.sentence()}
         self.machine, event = step
         self._record(event)
-        self._task = asyncio.create_task(
-            self._run(stage_memory, pp_layers), name=f"elastic-{trigger}"
-        )
+        self._task = spawn(self._run(stage_memory, pp_layers), name=f"elastic-{trigger}")
         return {"accepted": True, "state": str(self.machine.state), "seq": self._next_event - 1}
 
     async def watch_pressure(self, stop: asyncio.Event, every_s: float = 1.0) -> None:
@@ -161,14 +160,10 @@ class ElasticDriver:
         self._last_pressure_refusal = None if outcome["accepted"] else outcome["reason"]
 
     async def wait(self) -> None:
-        if self._task is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await stop_tasks(self._task, cancel=False)
 
     async def close(self) -> None:
-        if self._task is not None and not self._task.done():
-            self._task.cancel()
-        await self.wait()
+        await stop_tasks(self._task)
 
     # -- the flow ------------------------------------------------------------------------------
 

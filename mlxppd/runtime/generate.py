@@ -16,7 +16,7 @@ from mlxppd.core.cpu_weights import CpuWeights, held_config
 from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.generate_settings import GenerateSettings
 from mlxppd.core.layer_ranges import format_pp_layers, parse_pp_layers
-from mlxppd.core.model_profile import ModelProfile, profile_from_config
+from mlxppd.core.model_profile import ModelProfile, profile_from_config, read_model_config
 from mlxppd.core.partition import (
     PartitionPlan,
     balance_layers,
@@ -28,7 +28,7 @@ from mlxppd.core.stages import StageSpec, stage_specs
 from mlxppd.engine.blas import blas_in_use
 from mlxppd.engine.cpu_weights import resolve_for_process
 from mlxppd.engine.families import family_for, single_process_reason
-from mlxppd.engine.model_files import read_config, resolve_model_dir
+from mlxppd.engine.model_files import resolve_model_dir
 from mlxppd.engine.pipeline import InProcessPipeline, make_sampler
 from mlxppd.engine.stage import LoadedStage, load_stage
 from mlxppd.engine.tokenizer import encode_prompt, load_tokenizer
@@ -76,7 +76,7 @@ def load_pipeline(
     log: Log,
     weights: CpuWeights = CpuWeights.NATIVE,
 ) -> InProcessPipeline:
-    config = read_config(model_dir)
+    config = read_model_config(model_dir)
     stages: list[LoadedStage] = []
     for spec in specs:
         started = time.perf_counter()
@@ -96,7 +96,7 @@ def run_generate(
     """Generate one completion, streaming text to ``out`` (or one JSON object with --json)."""
     say: Log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     model_dir = resolve_model_dir(settings.model, progress=say)
-    config = read_config(model_dir)
+    config = read_model_config(model_dir)
     num_layers = family_for(config).num_layers(config)
     weights, why = resolve_for_process(settings.cpu_weights, config)
     refusal = single_process_reason(config)

@@ -12,13 +12,18 @@ from pathlib import Path
 from typing import Any
 
 from mlxppd.core.cpu_weights import CpuWeights
-from mlxppd.core.kv_admission import AdmissionRequest, StageKvManager, coordinated_admission
+from mlxppd.core.kv_admission import (
+    UNLIMITED_BYTES,
+    AdmissionRequest,
+    StageKvManager,
+    coordinated_admission,
+)
 from mlxppd.core.layer_ranges import LayerRange
+from mlxppd.core.model_profile import read_model_config
 from mlxppd.core.stages import stage_specs
 from mlxppd.engine.cpu_weights import resolve_for_process
 from mlxppd.engine.families.base import text_config
 from mlxppd.engine.kv_sizing import kv_bytes_per_token
-from mlxppd.engine.model_files import read_config
 from mlxppd.engine.pipeline import InProcessPipeline
 from mlxppd.engine.sampling import make_sampler
 from mlxppd.engine.stage import load_stage
@@ -31,8 +36,6 @@ from mlxppd.runtime.backend import (
     TokenEvent,
 )
 from mlxppd.runtime.mlx_thread import MlxThread
-
-_UNLIMITED = 1 << 62
 
 
 class InProcessBackend:
@@ -60,7 +63,7 @@ class InProcessBackend:
 
     async def start(self) -> None:
         def load() -> tuple[InProcessPipeline, Any, list[int]]:
-            config = read_config(self._model_dir)
+            config = read_model_config(self._model_dir)
             weights, _ = resolve_for_process(self._weights, config)
             stages = [
                 load_stage(self._model_dir, s, config, weights_mode=weights)
@@ -74,7 +77,7 @@ class InProcessBackend:
         self.kv = [
             StageKvManager(
                 stage_index=i,
-                budget_bytes=self._budget if self._budget is not None else _UNLIMITED,
+                budget_bytes=self._budget if self._budget is not None else UNLIMITED_BYTES,
                 bytes_per_token=n,
                 max_sequences=self._max_sequences,
             )

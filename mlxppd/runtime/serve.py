@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,9 +21,11 @@ from mlxppd.core.agent_desired import cluster_layer_plan
 from mlxppd.core.cluster_config import ClusterConfig, NodeRole, load_cluster_config
 from mlxppd.core.cpu_weights import CpuWeights
 from mlxppd.core.errors import ConfigurationError
+from mlxppd.core.model_profile import read_model_config
 from mlxppd.core.stages import StageSpec
-from mlxppd.engine.model_files import read_config, resolve_model_dir
+from mlxppd.engine.model_files import resolve_model_dir
 from mlxppd.engine.tokenizer import load_tokenizer
+from mlxppd.runtime.atomic_write import write_text_atomic
 from mlxppd.runtime.coordinator import Coordinator
 from mlxppd.runtime.metrics import PipelineMetrics
 from mlxppd.runtime.mlx_thread import MlxThread
@@ -90,24 +91,21 @@ def _load_cluster(options: NodeOptions) -> tuple[ClusterConfig, Any]:
 
 
 def write_ready(path: Path | None, text: str) -> None:
-    if path is None:
-        return
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    if path is not None:
+        write_text_atomic(path, text)
 
 
 async def run_stage_node(options: NodeOptions) -> int:
     cluster, secret = _load_cluster(options)
     node = cluster.find_node(options.node_id)
-    if node is None or node.role is NodeRole.HYBRID or node.stage is None:
+    if node is None or node.role is NodeRole.COORDINATOR or node.stage is None:
         raise ConfigurationError(
             f"node '{options.node_id}' is not a pipeline stage in this cluster",
             source=str(options.cluster_file),
             key="--node-id",
         )
     model_dir = resolve_model_dir(options.model)
-    config = read_config(model_dir)
+    config = read_model_config(model_dir)
     ranges = cluster_layer_plan(cluster, config)
     layers = ranges[node.stage]
     spec = StageSpec(node.stage, len(ranges), layers.start, layers.end)
@@ -145,7 +143,7 @@ async def run_stage_node(options: NodeOptions) -> int:
 async def start_coordinator(options: NodeOptions) -> Coordinator:
     cluster, secret = _load_cluster(options)
     node = cluster.find_node(options.node_id)
-    if node is None or node.role is not NodeRole.HYBRID:
+    if node is None or node.role is not NodeRole.COORDINATOR:
         raise ConfigurationError(
             f"node '{options.node_id}' is not the coordinator (role hybrid) of this cluster",
             source=str(options.cluster_file),
@@ -156,7 +154,7 @@ async def start_coordinator(options: NodeOptions) -> Coordinator:
         cluster.cluster.transport_backend, wire_config_for(cluster, node.id, secret)
     )
     model_id = options.alias or model_dir.name
-    plan = cluster_layer_plan(cluster, read_config(model_dir))
+    plan = cluster_layer_plan(cluster, read_model_config(model_dir))
     coordinator = Coordinator(
         cluster,
         transport,

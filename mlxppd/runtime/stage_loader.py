@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxppd.core.cpu_weights import CpuWeights
-from mlxppd.core.kv_admission import StageKvManager
+from mlxppd.core.kv_admission import UNLIMITED_BYTES, StageKvManager
 from mlxppd.core.stages import StageSpec
 from mlxppd.engine.blas import blas_in_use
 from mlxppd.engine.families.base import text_config
@@ -19,9 +19,6 @@ from mlxppd.engine.stage_runner import StageRunner
 from mlxppd.runtime.mlx_thread import MlxThread
 
 log = logging.getLogger("mlxppd.stage")
-
-#: a KV budget that never binds (no budget configured)
-UNLIMITED_BYTES = 1 << 62
 
 
 def configured_budget(reported: object) -> int | None:

@@ -49,6 +49,7 @@ from mlxppd.runtime.trace import TraceBuffer, now_us
 from mlxppd.wire.channel import SecureChannel
 from mlxppd.wire.codec import Message, MessageKind
 from mlxppd.wire.errors import ChannelClosedError, FrameError
+from mlxppd.wire.tasks import TaskSet, spawn, stop_tasks
 from mlxppd.wire.transport import Listener, Transport
 
 log = logging.getLogger("mlxppd.stage")
@@ -99,7 +100,7 @@ class StageWorker:
         self._out: asyncio.Queue[tuple[MessageKind, dict[str, Any], Any]] = asyncio.Queue()
         self._downstream: SecureChannel | None = None
         self._coordinator: SecureChannel | None = None
-        self._tasks: list[asyncio.Task[None]] = []
+        self._loops: list[asyncio.Task[None]] = []
         self._listener: Listener | None = None
         # Closed while draining (reload, shutdown): admits are refused, running sequences finish.
         self.admitting = True
@@ -107,16 +108,14 @@ class StageWorker:
         self._extras = extras or dict
         self._prepare_layers = prepare_layers
         self._staged: tuple[StageSpec, StageRunner, StageKvManager] | None = None
-        self._side_tasks: set[asyncio.Task[None]] = set()
+        self._side_tasks = TaskSet()
         self.elastic_state = "idle"
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
-        self._tasks = [
-            asyncio.create_task(self._compute_loop(), name=f"stage{self.spec.index}-compute"),
-            asyncio.create_task(self._send_loop(), name=f"stage{self.spec.index}-send"),
+        self._loops = [
+            spawn(self._compute_loop(), name=f"stage{self.spec.index}-compute", forever=True),
+            spawn(self._send_loop(), name=f"stage{self.spec.index}-send", forever=True),
         ]
-        for task in self._tasks:
-            task.add_done_callback(_log_exit)
         self._listener = await self.transport.listen(host, port, self._serve)
         return self._listener.address
 
@@ -164,12 +163,7 @@ class StageWorker:
         )  # fmt: skip
         if self._listener is not None:
             await self._listener.close()
-        tasks = [*self._tasks, *self._side_tasks]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stop_tasks(*self._loops, *self._side_tasks)
         if self._downstream is not None:
             await self._downstream.close()
 
@@ -225,9 +219,7 @@ class StageWorker:
             await channel.send(MessageKind.REPLY, {"rid": command.rid, "ok": True})
         elif isinstance(command, Reassign):
             # Loading takes long; this channel keeps answering status meanwhile.
-            task = asyncio.create_task(self._reassign(channel, command), name="stage-reassign")
-            self._side_tasks.add(task)
-            task.add_done_callback(self._side_tasks.discard)
+            self._side_tasks.spawn(self._reassign(channel, command), name="stage-reassign")
         elif isinstance(command, TraceDump):
             # Events can be many: they travel as a JSON byte tensor, not as metadata.
             payload = np.frombuffer(json.dumps(self.trace.take()).encode(), dtype=np.uint8)
@@ -470,13 +462,3 @@ class StageWorker:
                 await target.send(kind, meta, tensor)
             except ChannelClosedError as exc:
                 log.error("stage %d: sending %s failed: %s", self.spec.index, kind.name, exc)
-
-
-def _log_exit(task: asyncio.Task[None]) -> None:
-    if task.cancelled():
-        return
-    exc = task.exception()
-    if exc is not None:
-        log.error("task %s failed: %r", task.get_name(), exc)
-    else:
-        log.error("task %s exited unexpectedly", task.get_name())

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any
+
+from mlxppd.runtime.atomic_write import write_text_atomic
 
 log = logging.getLogger("mlxppd.trace")
 
@@ -72,9 +73,8 @@ class TraceFile:
             {"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": pid}}
             for pid in sorted(names)
         ]
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps({"traceEvents": meta + sorted(events, key=lambda e: e["ts"])}))
-        os.replace(tmp, self.path)
+        trace = {"traceEvents": meta + sorted(events, key=lambda e: e["ts"])}
+        write_text_atomic(self.path, json.dumps(trace))
         self.written = True
         log.info("trace: %d events written to %s", len(events), self.path)
         return True

@@ -41,11 +41,12 @@ from mlxppd.core.cluster_init import (
     sort_peers,
     topology_summary,
 )
-from mlxppd.core.cluster_render import render_cluster_toml
+from mlxppd.core.cluster_render import render_cluster_toml, split_host_port
 from mlxppd.core.errors import ConfigurationError, PeerRefusedError, TemporaryError
-from mlxppd.core.model_profile import profile_from_config
-from mlxppd.engine.model_files import read_config, resolve_model_dir
+from mlxppd.core.model_profile import profile_from_config, read_model_config
+from mlxppd.engine.model_files import resolve_model_dir
 from mlxppd.engine.model_identity import model_identity
+from mlxppd.runtime.atomic_write import write_text_atomic
 from mlxppd.runtime.serve import NodeOptions, write_ready
 from mlxppd.wire.channel import SecureChannel
 from mlxppd.wire.codec import MessageKind
@@ -58,6 +59,7 @@ from mlxppd.wire.discovery import (
 )
 from mlxppd.wire.errors import ChannelClosedError, FrameError
 from mlxppd.wire.secret import ClusterSecret, load_cluster_secret
+from mlxppd.wire.tasks import spawn, stop_tasks
 from mlxppd.wire.tcp import TcpTransport
 from mlxppd.wire.transport import WireConfig
 
@@ -70,7 +72,7 @@ DEFAULT_CONTROL_PORT = 19000
 
 @dataclass(frozen=True)
 class ZeroConfig:
-    """The zero-config flags (spec: "Zero-Config Startup")."""
+    """The zero-config flags (docs/zero-config.md)."""
 
     num_stages: int | None = None
     """--pp-auto N (coordinator)"""
@@ -163,7 +165,7 @@ async def coordinate(options: NodeOptions, z: ZeroConfig, out: Any = None) -> No
     secret = _secret(options)
     model_dir = resolve_model_dir(options.model)
     identity = model_identity(model_dir)
-    profile = profile_from_config(read_config(model_dir))
+    profile = profile_from_config(read_model_config(model_dir))
     control = z.control_addr or f"{options.host}:{DEFAULT_CONTROL_PORT}"
     parse_address(control)
     config_out = z.config_out or Path(".mlxpp") / "cluster.toml"
@@ -302,21 +304,18 @@ async def _assign(
 
 def _bind_address(text: str) -> tuple[str, int]:
     """host:port to listen on; port 0 (any free port, announced by beacon) is allowed here."""
-    host, _, port_text = text.rpartition(":")
-    host = host.strip("[]")
-    if not host or not port_text.isdigit() or int(port_text) > 65535:
+    address = split_host_port(text)
+    if address is None or not address[0] or address[1] > 65535:
         raise ConfigurationError(
             f"'{text}' is not host:port (port 0: any free port)", source="--cluster-control-addr"
         )
     # A wildcard is fine to listen on; the peer announces its real address by beacon.
-    return host, int(port_text)
+    return address
 
 
 def _write(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    write_text_atomic(path, text)
 
 
 # -- the peer --------------------------------------------------------------------------------
@@ -453,7 +452,7 @@ async def await_assignment(options: NodeOptions, z: ZeroConfig) -> NodeOptions:
     stop_beacons = asyncio.Event()
     beacons = None
     if z.discovery == "mdns":
-        beacons = asyncio.create_task(
+        beacons = spawn(
             send_beacons(
                 beacon_key(secret.key_bytes()),
                 cluster_name=z.cluster_name,
@@ -470,9 +469,7 @@ async def await_assignment(options: NodeOptions, z: ZeroConfig) -> NodeOptions:
         path, node_id = await server.activated
     finally:
         stop_beacons.set()
-        if beacons is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await beacons
+        await stop_tasks(beacons, cancel=False)
         await listener.close()
     log.info("activated as %s; the cluster TOML is at %s", node_id, path)
     return replace(options, cluster_file=path, node_id=node_id, ready_file=None)

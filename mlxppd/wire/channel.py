@@ -29,7 +29,7 @@ from mlxppd.wire.codec import (
     decode_message,
     encode_parts,
 )
-from mlxppd.wire.errors import ChannelClosedError, FrameError, RejectReason
+from mlxppd.wire.errors import ChannelClosedError, FrameError, FrameRejectReason
 from mlxppd.wire.limits import FrameLimits
 from mlxppd.wire.record import (
     RECORD_HEADER,
@@ -109,7 +109,7 @@ async def read_small_record(
     header = bytes(await _read_or_truncated(stream, RECORD_HEADER.size, at_boundary=True))
     rtype, length = parse_record_header(header, limits)
     if length > _CONTROL_RECORD_MAX:  # whatever its type, nothing larger is expected here
-        raise FrameError(RejectReason.LENGTH_EXCEEDS_MAX, f"{rtype.name} record of {length} B")
+        raise FrameError(FrameRejectReason.LENGTH_EXCEEDS_MAX, f"{rtype.name} record of {length} B")
     sealed = await _read_or_truncated(stream, length + TAG_SIZE, at_boundary=False)
     plain = bytearray(length)
     opener.open_into(header, sealed, memoryview(plain))
@@ -126,7 +126,9 @@ async def _read_or_truncated(
             raise ChannelClosedError(
                 f"peer {stream.peer} closed the connection without a goodbye", clean=False
             ) from None
-        raise FrameError(RejectReason.TRUNCATED, "the connection ended inside a record") from None
+        raise FrameError(
+            FrameRejectReason.TRUNCATED, "the connection ended inside a record"
+        ) from None
 
 
 class SecureChannel:
@@ -269,7 +271,9 @@ class SecureChannel:
         """Count, log and close for a failed receive; the exception to raise."""
         if isinstance(exc, StreamEOF):
             if self._in_record or exc.received:
-                exc = FrameError(RejectReason.TRUNCATED, "the connection ended inside a record")
+                exc = FrameError(
+                    FrameRejectReason.TRUNCATED, "the connection ended inside a record"
+                )
             else:
                 exc = ChannelClosedError(
                     f"{self._describe()} closed the connection without a goodbye", clean=False
@@ -324,12 +328,14 @@ class SecureChannel:
         rtype, length = parse_record_header(header, self._limits)
         if rtype is not RecordType.MESSAGE:
             if length > _CONTROL_RECORD_MAX:
-                raise FrameError(RejectReason.LENGTH_EXCEEDS_MAX, f"{rtype.name} of {length} B")
+                raise FrameError(
+                    FrameRejectReason.LENGTH_EXCEEDS_MAX, f"{rtype.name} of {length} B"
+                )
             sealed = await stream.read_exactly(length + TAG_SIZE)
             self._opener.open_into(header, sealed, memoryview(bytearray(length)))
             if rtype is RecordType.CLOSE:
                 raise ChannelClosedError(f"{self._describe()} closed the channel", clean=True)
-            raise FrameError(RejectReason.UNEXPECTED_RECORD, f"a {rtype.name} record")
+            raise FrameError(FrameRejectReason.UNEXPECTED_RECORD, f"a {rtype.name} record")
         opening = self._opener.start(header)
         assembler = MessageAssembler(length, self._limits, into=into)
 

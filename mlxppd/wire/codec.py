@@ -32,7 +32,7 @@ from typing import Any
 import orjson
 
 from mlxppd.wire.dtypes import DType, dtype_by_code, dtype_by_name, dtype_for_buffer_format
-from mlxppd.wire.errors import FrameError, MessageEncodingError, RejectReason
+from mlxppd.wire.errors import FrameError, FrameRejectReason, MessageEncodingError
 from mlxppd.wire.limits import MAX_NDIM, FrameLimits
 from mlxppd.wire.version import PROTOCOL_VERSION
 
@@ -296,9 +296,11 @@ class MessageAssembler:
         self._pos = 0
         self._phase = _Phase.FIXED
         if length > limits.max_frame_bytes:
-            self._fail(FrameError(RejectReason.LENGTH_EXCEEDS_MAX, f"{length} B over the limit"))
+            self._fail(
+                FrameError(FrameRejectReason.LENGTH_EXCEEDS_MAX, f"{length} B over the limit")
+            )
         elif length < MESSAGE_HEADER.size:
-            self._fail(FrameError(RejectReason.SIZE_MISMATCH, f"{length} B hold no header"))
+            self._fail(FrameError(FrameRejectReason.SIZE_MISMATCH, f"{length} B hold no header"))
 
     @property
     def done(self) -> bool:
@@ -322,7 +324,7 @@ class MessageAssembler:
         if self._error is not None:
             raise self._error
         if not self.done:
-            raise FrameError(RejectReason.TRUNCATED, "the message ended early")
+            raise FrameError(FrameRejectReason.TRUNCATED, "the message ended early")
         _, kind, code, _, _ = self._fields
         meta = _parse_metadata(bytes(self._head[len(self._head) - self._fields[4] :]))
         tensor = None
@@ -392,9 +394,9 @@ def _parse_metadata(raw: bytes | memoryview) -> dict[str, Any]:
     except orjson.JSONDecodeError as exc:
         if not bytes(raw).strip(b" "):  # none, or only the alignment padding
             return {}
-        raise FrameError(RejectReason.BAD_METADATA, f"metadata is not JSON: {exc}") from None
+        raise FrameError(FrameRejectReason.BAD_METADATA, f"metadata is not JSON: {exc}") from None
     if type(value) is not dict:
-        raise FrameError(RejectReason.BAD_METADATA, "metadata is not a JSON object")
+        raise FrameError(FrameRejectReason.BAD_METADATA, "metadata is not a JSON object")
     return value
 
 
@@ -403,22 +405,25 @@ def _check_fixed(fields: tuple[int, ...], length: int, limits: FrameLimits) -> F
     version, kind, code, ndim, meta_len = fields
     if version != PROTOCOL_VERSION:
         return FrameError(
-            RejectReason.UNSUPPORTED_VERSION, f"message version {version}, not {PROTOCOL_VERSION}"
+            FrameRejectReason.UNSUPPORTED_VERSION,
+            f"message version {version}, not {PROTOCOL_VERSION}",
         )
     if kind not in _KINDS:
-        return FrameError(RejectReason.UNKNOWN_KIND, f"message kind {kind}")
+        return FrameError(FrameRejectReason.UNKNOWN_KIND, f"message kind {kind}")
     if code != 0 and dtype_by_code(code) is None:
-        return FrameError(RejectReason.UNKNOWN_DTYPE, f"dtype code {code}")
+        return FrameError(FrameRejectReason.UNKNOWN_DTYPE, f"dtype code {code}")
     if ndim > MAX_NDIM:
-        return FrameError(RejectReason.NDIM_EXCEEDS_MAX, f"{ndim} dimensions")
+        return FrameError(FrameRejectReason.NDIM_EXCEEDS_MAX, f"{ndim} dimensions")
     if code == 0 and ndim != 0:
-        return FrameError(RejectReason.SIZE_MISMATCH, "a shape without a dtype")
+        return FrameError(FrameRejectReason.SIZE_MISMATCH, "a shape without a dtype")
     if code == 0 and _KINDS[kind] in _NEEDS_TENSOR:
-        return FrameError(RejectReason.SIZE_MISMATCH, f"a {_KINDS[kind].name} without a tensor")
+        return FrameError(
+            FrameRejectReason.SIZE_MISMATCH, f"a {_KINDS[kind].name} without a tensor"
+        )
     if meta_len > limits.max_metadata_bytes:
-        return FrameError(RejectReason.METADATA_EXCEEDS_MAX, f"{meta_len} metadata bytes")
+        return FrameError(FrameRejectReason.METADATA_EXCEEDS_MAX, f"{meta_len} metadata bytes")
     if MESSAGE_HEADER.size + _DIM.size * ndim + meta_len > length:
-        return FrameError(RejectReason.SIZE_MISMATCH, "the head is longer than the record")
+        return FrameError(FrameRejectReason.SIZE_MISMATCH, "the head is longer than the record")
     return None
 
 
@@ -430,7 +435,7 @@ def _check_payload(
     nbytes = math.prod(shape) * dtype.itemsize if dtype else 0
     if nbytes != present:
         detail = f"shape {shape} needs {nbytes} tensor bytes, the record has {present}"
-        return dtype, FrameError(RejectReason.SIZE_MISMATCH, detail)
+        return dtype, FrameError(FrameRejectReason.SIZE_MISMATCH, detail)
     return dtype, None
 
 
@@ -465,7 +470,7 @@ def decode_message(
         src = src.cast("B")
     length = src.nbytes
     if length < MESSAGE_HEADER.size:
-        raise FrameError(RejectReason.SIZE_MISMATCH, f"{length} B hold no header")
+        raise FrameError(FrameRejectReason.SIZE_MISMATCH, f"{length} B hold no header")
     fields = MESSAGE_HEADER.unpack_from(src)
     version, kind, code, ndim, meta_len = fields
     dtype = dtype_by_code(code)

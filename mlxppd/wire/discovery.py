@@ -1,6 +1,7 @@
 """Discovery beacons: signed UDP datagrams a ``--pp-peer`` sends so the coordinator finds it.
 
-The spec's ``--cluster-discovery=mdns`` (plain UDP, not DNS-SD). A beacon is one datagram::
+``--cluster-discovery=mdns`` (docs/zero-config.md): signed UDP beacons, not DNS-SD.
+A beacon is one datagram::
 
     {"addr":"192.168.1.11:40123","cluster":"studio-pp","nonce":"<32 hex>","ts":1700000000,"v":1}
     <64 hex: HMAC-SHA256 of the line above>
@@ -34,6 +35,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from mlxppd.core.cluster_config import parse_address
+from mlxppd.core.cluster_render import join_host_port
 from mlxppd.core.errors import ConfigurationError, MlxppError
 
 __all__ = [
@@ -45,7 +47,7 @@ __all__ = [
     "Beacon",
     "BeaconRejected",
     "DiscoveryStats",
-    "RejectReason",
+    "BeaconRejectReason",
     "announce_address",
     "beacon_key",
     "collect_peers",
@@ -62,8 +64,10 @@ BEACON_VERSION = 1
 #: a real beacon is ~200 bytes; anything longer is refused before it is looked at
 MAX_BEACON_BYTES = 512
 
-RejectReason = Literal["oversize", "malformed", "unsigned", "bad_mac", "foreign_cluster", "stale"]
-REJECT_REASONS: tuple[RejectReason, ...] = (
+BeaconRejectReason = Literal[
+    "oversize", "malformed", "unsigned", "bad_mac", "foreign_cluster", "stale"
+]
+REJECT_REASONS: tuple[BeaconRejectReason, ...] = (
     "oversize",
     "malformed",
     "unsigned",
@@ -82,8 +86,8 @@ _MAX_TS = 2**53
 class BeaconRejected(MlxppError):
     """A datagram is not a beacon of this cluster; ``reason`` is one of ``REJECT_REASONS``."""
 
-    def __init__(self, reason: RejectReason):
-        self.reason: RejectReason = reason
+    def __init__(self, reason: BeaconRejectReason):
+        self.reason: BeaconRejectReason = reason
         super().__init__(f"discovery beacon rejected: {reason}")
 
 
@@ -202,10 +206,6 @@ def decode_beacon(
     return Beacon(cluster_name=cluster, address=addr, ts=ts, nonce=nonce)
 
 
-def _join(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
 def announce_address(bind_host: str, port: int, target: str) -> str:
     """The "ip:port" a peer bound to ``bind_host``:``port`` announces to ``target``.
 
@@ -220,7 +220,7 @@ def announce_address(bind_host: str, port: int, target: str) -> str:
     except ValueError:
         ip = None
     if ip is not None and not ip.is_unspecified:
-        return _join(str(ip), port)
+        return join_host_port(str(ip), port)
     family = socket.AF_INET6 if ":" in target else socket.AF_INET
     try:
         with socket.socket(family, socket.SOCK_DGRAM) as probe:
@@ -234,7 +234,7 @@ def announce_address(bind_host: str, port: int, target: str) -> str:
             "give --cluster-control-addr a concrete IP or check --cluster-discovery-target",
             source="--cluster-control-addr",
         ) from None
-    return _join(local, port)
+    return join_host_port(local, port)
 
 
 def _udp_socket(family: socket.AddressFamily) -> socket.socket:
@@ -338,7 +338,7 @@ async def collect_peers(
             sock.bind(bind)
         except OSError as exc:
             raise ConfigurationError(
-                f"cannot listen for discovery beacons on UDP {_join(*bind)}: "
+                f"cannot listen for discovery beacons on UDP {join_host_port(*bind)}: "
                 f"{exc.strerror or exc}; stop the process holding that port or change "
                 "--cluster-discovery-port",
                 source="--cluster-discovery-port",

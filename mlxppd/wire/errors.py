@@ -1,7 +1,7 @@
 """Errors of the wire layer, each a member of the project's hierarchy (``mlxppd.core.errors``).
 
 Every error that closes a connection carries a short machine-readable ``reason`` (a
-``RejectReason`` or ``HandshakeFailure`` value); the same string keys the counters in
+``FrameRejectReason`` or ``HandshakeFailure`` value); the same string keys the counters in
 ``WireStats``, so a log line, an exception and a metric always agree on what happened.
 """
 
@@ -18,12 +18,12 @@ __all__ = [
     "HandshakeFailure",
     "MessageEncodingError",
     "PeerAtCapacityError",
-    "RejectReason",
+    "FrameRejectReason",
     "VersionMismatchError",
 ]
 
 
-class RejectReason(enum.StrEnum):
+class FrameRejectReason(enum.StrEnum):
     """Why a received frame was rejected (the ``rejected_frames`` counter keys)."""
 
     BAD_HEADER = "bad_header"  # reserved bits set, unknown record type, length below the tag
@@ -65,7 +65,7 @@ class MessageEncodingError(PermanentError):
 class FrameError(PermanentError):
     """A received frame was rejected; the connection it came on is closed."""
 
-    def __init__(self, reason: RejectReason, detail: str):
+    def __init__(self, reason: FrameRejectReason, detail: str):
         self.reason = reason
         self.detail = detail
         super().__init__(f"frame rejected ({reason}): {detail}")

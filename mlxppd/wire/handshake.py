@@ -31,7 +31,7 @@ from typing import Literal
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from mlxppd.wire.errors import FrameError, HandshakeError, HandshakeFailure, RejectReason
+from mlxppd.wire.errors import FrameError, FrameRejectReason, HandshakeError, HandshakeFailure
 from mlxppd.wire.version import PROTOCOL_VERSION
 
 __all__ = [
@@ -244,4 +244,4 @@ def decode_verdict(plaintext: bytes) -> tuple[Verdict, str]:
             raise ValueError("bad length")
         return Verdict(value), plaintext[_VERDICT.size :].decode("utf-8")
     except (struct.error, ValueError):
-        raise FrameError(RejectReason.BAD_VERDICT, "malformed verdict record") from None
+        raise FrameError(FrameRejectReason.BAD_VERDICT, "malformed verdict record") from None

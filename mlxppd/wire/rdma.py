@@ -1,4 +1,6 @@
-"""The ``rdma`` (RDMA-aware) backend: a faster socket path where the OS offers zero-copy I/O.
+"""The ``rdma`` backend. Plainly: it is not RDMA. There are no verbs, no InfiniBand or RoCE,
+and no memory registered with a NIC; every byte still crosses the kernel's TCP stack. What it
+adds over ``tcp`` is a leaner socket path on hosts whose probe passes (Linux with io_uring).
 
 At bind (or first connect) it probes the host (``rdma_probe``). When the probe succeeds, its
 connections use ``SocketByteStream``: preallocated ("registered") send and receive arenas,
@@ -12,8 +14,9 @@ advertises 0 or another version makes that one connection fall back to the tcp s
 
     rdma_transport: peer negotiation fallback (peer=host:port, reason=...)
 
-Python does not drive io_uring itself: the probe decides whether the host is one where the
-copy-avoiding path is wanted, as the spec's backend does on top of its TCP core.
+Python does not drive io_uring itself: the probe only decides whether the host gets the
+arena-based socket path. The name keeps the cluster TOML's ``transport_backend = "rdma"``
+meaning "the fastest transport this host offers"; a real RDMA path would live here.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from mlxppd.wire.rdma_probe import ProbeResult, probe_acceleration
 from mlxppd.wire.socket_stream import SocketByteStream
 from mlxppd.wire.stats import WireStats
 from mlxppd.wire.streams import CHUNK_BYTES, ByteStream
+from mlxppd.wire.tasks import spawn, stop_tasks
 from mlxppd.wire.tcp import TcpTransport
 from mlxppd.wire.transport import Binding, WireConfig
 from mlxppd.wire.version import RDMA_PROTOCOL_VERSION
@@ -158,12 +162,10 @@ class RdmaTransport(TcpTransport):
             sock.close()
             raise
         bound = sock.getsockname()
-        task = asyncio.create_task(
-            self._accept_loop(sock, on_stream), name=f"wire-accept-{bound[0]}:{bound[1]}"
-        )
+        task = spawn(self._accept_loop(sock, on_stream), name=f"wire-accept-{bound[0]}:{bound[1]}")
 
         async def wait_stopped() -> None:
-            await asyncio.gather(task, return_exceptions=True)
+            await stop_tasks(task, cancel=False, ignore_errors=True)
             sock.close()
 
         def stop_accepting() -> None:

@@ -38,7 +38,8 @@ _IO_URING_PARAMS_BYTES = 120  # sizeof(struct io_uring_params)
 
 @dataclass(frozen=True)
 class ProbeResult:
-    """What the probe found; ``reason`` is the spec's ``os=..., driver=...: ...`` text."""
+    """What the probe found; ``reason`` is the ``os=..., driver=...: ...`` text of
+    docs/protocol.md."""
 
     os: str
     driver: str

@@ -30,7 +30,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from mlxppd.wire.errors import FrameError, RejectReason
+from mlxppd.wire.errors import FrameError, FrameRejectReason
 from mlxppd.wire.limits import FrameLimits
 
 __all__ = [
@@ -50,7 +50,6 @@ RECORD_HEADER = struct.Struct(">BBHI")
 _HEADER_SIZE = RECORD_HEADER.size
 _NONCE = struct.Struct(">IQ")
 TAG_SIZE = 16
-NONCE_SIZE = 12
 _MAX_SEQUENCE = 2**64 - 1
 
 #: What the record layer accepts as bytes (``collections.abc.Buffer`` needs Python 3.12).
@@ -88,14 +87,14 @@ def parse_record_header(header: Buffer, limits: FrameLimits) -> tuple[RecordType
     """
     rtype, reserved8, reserved16, sealed_len = RECORD_HEADER.unpack(header)
     if reserved8 or reserved16:
-        raise FrameError(RejectReason.BAD_HEADER, "reserved record header bits are set")
+        raise FrameError(FrameRejectReason.BAD_HEADER, "reserved record header bits are set")
     if rtype not in _TYPES:
-        raise FrameError(RejectReason.BAD_HEADER, f"unknown record type {rtype}")
+        raise FrameError(FrameRejectReason.BAD_HEADER, f"unknown record type {rtype}")
     if sealed_len < TAG_SIZE:
-        raise FrameError(RejectReason.BAD_HEADER, f"record length {sealed_len} < tag size")
+        raise FrameError(FrameRejectReason.BAD_HEADER, f"record length {sealed_len} < tag size")
     if sealed_len - TAG_SIZE > limits.max_frame_bytes:
         raise FrameError(
-            RejectReason.LENGTH_EXCEEDS_MAX,
+            FrameRejectReason.LENGTH_EXCEEDS_MAX,
             f"record of {sealed_len - TAG_SIZE} bytes; the limit is {limits.max_frame_bytes}",
         )
     return _TYPES[rtype], sealed_len - TAG_SIZE
@@ -119,7 +118,9 @@ class _Direction:
     def _next_nonce(self) -> bytes:
         sequence = self._sequence
         if sequence > _MAX_SEQUENCE:
-            raise FrameError(RejectReason.SEQUENCE_EXHAUSTED, "2**64 records on one connection")
+            raise FrameError(
+                FrameRejectReason.SEQUENCE_EXHAUSTED, "2**64 records on one connection"
+            )
         self._sequence = sequence + 1
         return _NONCE.pack(0, sequence)  # == record_nonce(sequence), without its checks
 
@@ -168,7 +169,7 @@ class OpenStream:
         try:
             self._dec.finalize_with_tag(tag)
         except InvalidTag:
-            raise FrameError(RejectReason.BAD_TAG, "record failed authentication") from None
+            raise FrameError(FrameRejectReason.BAD_TAG, "record failed authentication") from None
 
 
 class RecordSealer(_Direction):
@@ -209,7 +210,7 @@ class RecordOpener(_Direction):
         try:
             self._aead.decrypt_into(self._next_nonce(), sealed, header, out)
         except InvalidTag:
-            raise FrameError(RejectReason.BAD_TAG, "record failed authentication") from None
+            raise FrameError(FrameRejectReason.BAD_TAG, "record failed authentication") from None
 
     def start(self, header: bytes) -> OpenStream:
         """Streaming: begin opening the record whose 8 header bytes are ``header``."""

@@ -1,6 +1,6 @@
 """The cluster secret: where it is looked up, how it is read, and how a new one is made.
 
-The lookup order is the spec's ("Cluster Secret and Transport Protection"), with our names:
+The lookup order (docs/operations.md, "The cluster secret"):
 ``--cluster-secret-file``, then ``MLXPP_CLUSTER_SECRET_FILE`` (a path), then
 ``MLXPP_CLUSTER_SECRET`` (the value), then ``[cluster] secret_file`` in the cluster TOML.
 The secret is the file's (or variable's) bytes with surrounding whitespace removed, so the

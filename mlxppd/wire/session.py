@@ -23,10 +23,10 @@ from mlxppd.wire.channel import read_small_record
 from mlxppd.wire.errors import (
     ChannelClosedError,
     FrameError,
+    FrameRejectReason,
     HandshakeError,
     HandshakeFailure,
     PeerAtCapacityError,
-    RejectReason,
     VersionMismatchError,
 )
 from mlxppd.wire.handshake import (
@@ -161,7 +161,9 @@ async def client_handshake(
     try:
         rtype, plain = await read_small_record(stream, opener, me.limits)
         if rtype is not RecordType.VERDICT:
-            raise FrameError(RejectReason.UNEXPECTED_RECORD, f"{rtype.name} instead of a verdict")
+            raise FrameError(
+                FrameRejectReason.UNEXPECTED_RECORD, f"{rtype.name} instead of a verdict"
+            )
         verdict, reason = decode_verdict(plain)
     except FrameError as exc:
         raise HandshakeError(

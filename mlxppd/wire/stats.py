@@ -10,7 +10,7 @@ __all__ = ["WireStats"]
 
 @dataclass
 class WireStats:
-    """Plain counters; keys are ``HandshakeFailure`` / ``RejectReason`` / ``Verdict`` names.
+    """Plain counters; keys are ``HandshakeFailure`` / ``FrameRejectReason`` / ``Verdict`` names.
 
     A tampered verdict is both a rejected frame and a failed handshake, so it shows in both.
     """

@@ -14,6 +14,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 
+from mlxppd.core.cluster_render import join_host_port
+
 __all__ = [
     "CHUNK_BYTES",
     "Buffer",
@@ -41,8 +43,7 @@ class StreamEOF(Exception):
 def format_address(addr: object) -> str:
     """``host:port`` (``[v6]:port``) of a socket address tuple, or ``?`` when unknown."""
     if isinstance(addr, tuple) and len(addr) >= 2:
-        host, port = addr[0], addr[1]
-        return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+        return join_host_port(str(addr[0]), addr[1])
     return "?"
 
 

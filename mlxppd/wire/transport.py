@@ -31,6 +31,7 @@ from mlxppd.wire.secret import ClusterSecret
 from mlxppd.wire.session import HandshakeResult, Identity, client_handshake, server_handshake
 from mlxppd.wire.stats import WireStats
 from mlxppd.wire.streams import ByteStream
+from mlxppd.wire.tasks import TaskSet
 
 __all__ = ["Binding", "Handler", "Listener", "Transport", "WireConfig"]
 
@@ -71,7 +72,7 @@ class Listener:
     def __init__(self, transport: Transport, handler: Handler):
         self._transport = transport
         self._handler = handler
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = TaskSet()
         self._binding: Binding | None = None
         #: accepted channels (including ones whose verdict is on its way)
         self.active = 0
@@ -83,11 +84,9 @@ class Listener:
         return self._binding.address
 
     def _spawn(self, stream: ByteStream) -> None:
-        task = asyncio.create_task(
+        self._tasks.spawn(
             self._transport._serve_connection(self, stream), name=f"wire-conn-{stream.peer}"
         )
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     def _decide(self, peer: Hello) -> tuple[Verdict, str]:
         config = self._transport.config
@@ -102,9 +101,7 @@ class Listener:
         """Stop accepting, close every connection, and wait for all of it."""
         if self._binding is not None:
             self._binding.stop_accepting()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._tasks.close()
         if self._binding is not None:
             await self._binding.wait_stopped()
 
