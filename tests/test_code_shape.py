@@ -41,3 +41,20 @@ def test_the_check_finds_a_long_function_and_spares_argparse(tmp_path: Path) -> 
     (tmp_path / "pkg" / "logic.py").write_text(f"def too_long():\n{body}\n\ndef ok():\n    pass\n")
     (tmp_path / "pkg" / "cli" / "main.py").write_text(f"def register():\n{body}\n")
     assert long_functions(tmp_path / "pkg") == ["pkg/logic.py:1 too_long"]
+
+
+def constructions(name: str, package: Path = PACKAGE) -> list[str]:
+    """Where ``name(...)`` is called in the package (module paths relative to its parent)."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == name:
+                found.append(str(path.relative_to(package.parent)))
+    return found
+
+
+def test_one_function_starts_a_stage_and_one_a_coordinator() -> None:
+    """serve --distributed-config (so the local cluster and a zero-config peer) and the agent
+    all start stages and coordinators through mlxppd/runtime/node_start.py."""
+    assert constructions("StageWorker") == ["mlxppd/runtime/node_start.py"]
+    assert constructions("Coordinator") == ["mlxppd/runtime/node_start.py"]

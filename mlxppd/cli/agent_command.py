@@ -160,8 +160,8 @@ def run_check(args: argparse.Namespace) -> int:
 def run_agent(args: argparse.Namespace) -> int:
     from prometheus_client import CollectorRegistry
 
+    from mlxppd.app.agent_http import start_agent_http
     from mlxppd.core.agent_settings import config_dir_from, load_host_settings
-    from mlxppd.http.agent_http import start_agent_http
     from mlxppd.runtime import event_loop
     from mlxppd.runtime.agent import Agent
     from mlxppd.runtime.host_addresses import is_local_address

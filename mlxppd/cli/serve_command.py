@@ -224,7 +224,7 @@ def _check_zero_config(args: argparse.Namespace) -> None:
 
 
 async def _run_auto(options: Any, zero: Any) -> int:
-    from mlxppd.http.server import run_coordinator_node
+    from mlxppd.app.serve_node import run_coordinator_node
     from mlxppd.runtime.zero_config import coordinate
 
     planned = await coordinate(options, zero)
@@ -295,8 +295,8 @@ def _node_options(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    from mlxppd.app.serve_node import run_coordinator_node
     from mlxppd.core.schedule import suggested_micro_batch_size
-    from mlxppd.http.server import run_coordinator_node
     from mlxppd.runtime import event_loop
     from mlxppd.runtime.serve import NodeOptions, run_stage_node
 
@@ -337,12 +337,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_local(args: argparse.Namespace, options: Any, sized: Any) -> int:
     """No cluster TOML: a local cluster of --pp-size stages, or every stage in this process."""
+    from mlxppd.app.serve_node import run_inprocess, run_local_cluster
     from mlxppd.core.layer_ranges import parse_pp_layers
     from mlxppd.core.model_profile import profile_from_config, read_model_config
     from mlxppd.core.partition import balance_layers
     from mlxppd.engine.families import single_process_reason
     from mlxppd.engine.model_files import resolve_model_dir
-    from mlxppd.http.server import run_inprocess, run_local_cluster
     from mlxppd.runtime import event_loop
 
     model_dir = resolve_model_dir(args.model)

@@ -113,5 +113,6 @@ def desired_state(
         transport=transport,
         kv_budget_bytes=host.kv_budget_bytes or cluster.cluster.kv_budget_bytes,
         cpu_weights=host.cpu_weights or cluster.cluster.cpu_weights,
+        max_sequences=host.max_sequences,
     )
     return DesiredState(node.id, generation, cluster.cluster.elastic, stage=stage)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from mlxppd.core.cluster_config import ElasticPolicy
 from mlxppd.core.cpu_weights import CpuWeights
+from mlxppd.core.kv_admission import DEFAULT_STAGE_SEQUENCES
 from mlxppd.core.layer_ranges import LayerRange
 
 __all__ = [
@@ -50,6 +51,8 @@ class StageTarget:
     """KV cache budget (bytes); None = unlimited"""
     cpu_weights: CpuWeights = CpuWeights.AUTO
     """how the stage holds its weights on a CPU host"""
+    max_sequences: int = DEFAULT_STAGE_SEQUENCES
+    """sequences the stage holds KV for (sequences)"""
 
     def same_layers(self, other: StageTarget) -> bool:
         # A different weight mode means loading the layers again.
@@ -215,7 +218,8 @@ def _stage_actions(want: StageTarget | None, have: StageTarget | None) -> list[A
         out.append(ReloadStage(want))
     if not want.same_endpoint(have):
         out.append(RebindStage(want))
-    if want.kv_budget_bytes != have.kv_budget_bytes and not out:
+    limits = (want.kv_budget_bytes, want.max_sequences)
+    if limits != (have.kv_budget_bytes, have.max_sequences) and not out:
         # A reload already applies the budget of its target.
         out.append(UpdateKvBudget(want))
     return out

@@ -23,6 +23,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from mlxppd.core.cluster_render import format_key_path, validation_error
 from mlxppd.core.cpu_weights import CpuWeightsField
 from mlxppd.core.errors import ConfigurationError
+from mlxppd.core.kv_admission import DEFAULT_STAGE_SEQUENCES
 from mlxppd.core.strict import StrictModel
 
 __all__ = [
@@ -120,7 +121,16 @@ class HostSettings(BaseSettings):
         "models/ folder (MLXPP_MODEL_CACHE wins; unset: ~/.cache/mlxpp).",
     )
     parallel: int = Field(
-        64, ge=1, description="Sequences the coordinator generates at once (sequences)."
+        DEFAULT_STAGE_SEQUENCES,
+        ge=1,
+        description="Sequences the coordinator generates at once (sequences).",
+    )
+    max_sequences: int = Field(
+        DEFAULT_STAGE_SEQUENCES,
+        ge=1,
+        le=4096,
+        description="Stage only: sequences this stage holds KV for; more are refused with 503 "
+        "(sequences).",
     )
     micro_batch_size: int = Field(
         1, ge=1, description="Decode sequences per pipeline pass (sequences)."

@@ -17,12 +17,18 @@ from mlxppd.core.strict import StrictModel
 
 __all__ = [
     "AssignmentCommand",
+    "AssignmentReply",
+    "HelloReply",
     "ModelIdentity",
     "Offer",
     "RefusalReason",
     "check_offer",
     "parse_assignment",
 ]
+
+Rid = Annotated[int, Field(ge=0, le=(1 << 63) - 1)]
+#: a host's memory as a peer reports it; 1 PiB is beyond any host
+MAX_MEMORY_BYTES = 1 << 50
 
 
 class ModelIdentity(StrictModel):
@@ -62,12 +68,12 @@ class RefusalReason(enum.StrEnum):
 
 class Hello(StrictModel):
     op: Literal["hello"] = "hello"
-    rid: int = Field(ge=0)
+    rid: Rid = 0
 
 
 class Offer(StrictModel):
     op: Literal["offer"] = "offer"
-    rid: int = Field(ge=0)
+    rid: Rid = 0
     node_id: str = Field(min_length=1, max_length=128)
     stage: int = Field(ge=0, le=4096)
     layers: tuple[int, int]
@@ -79,17 +85,17 @@ class Offer(StrictModel):
 
 class Commit(StrictModel):
     op: Literal["commit"] = "commit"
-    rid: int = Field(ge=0)
+    rid: Rid = 0
 
 
 class Activate(StrictModel):
     op: Literal["activate"] = "activate"
-    rid: int = Field(ge=0)
+    rid: Rid = 0
 
 
 class Abort(StrictModel):
     op: Literal["abort"] = "abort"
-    rid: int = Field(ge=0)
+    rid: Rid = 0
     reason: str = Field("", max_length=1024)
 
 
@@ -102,6 +108,27 @@ _ADAPTER: TypeAdapter[AssignmentCommand] = TypeAdapter(
 def parse_assignment(meta: Any) -> AssignmentCommand:
     """A control message's metadata as its typed command (pydantic ValidationError if bad)."""
     return _ADAPTER.validate_python(dict(meta))
+
+
+class HelloReply(StrictModel):
+    """A peer describes itself: what the coordinator plans with."""
+
+    rid: Rid = 0
+    ok: bool = True
+    version: str = Field(max_length=64)
+    cluster: str = Field(max_length=256)
+    model: ModelIdentity
+    memory_bytes: int | None = Field(None, gt=0, lt=MAX_MEMORY_BYTES)
+    address: str = Field(max_length=300)
+
+
+class AssignmentReply(StrictModel):
+    """A peer's answer to an offer, commit, activate or abort (or to a command it refused)."""
+
+    rid: Rid = 0
+    ok: bool
+    reason: RefusalReason | None = None
+    message: str | None = Field(None, max_length=1000)
 
 
 def check_offer(

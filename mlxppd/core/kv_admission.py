@@ -13,6 +13,9 @@ from enum import StrEnum
 
 #: the budget of a stage with no KV budget configured: one that never binds
 UNLIMITED_BYTES = 1 << 62
+#: sequences a stage holds KV for unless configured (serve --max-batch-size, mlxppd.toml
+#: max_sequences); matches the coordinator's default --parallel, so neither waits on the other
+DEFAULT_STAGE_SEQUENCES = 64
 
 
 class RejectReason(StrEnum):

@@ -29,12 +29,16 @@ from mlxppd.core.profile_pricing import (
 )
 
 __all__ = [
+    "ModelConfig",
     "ModelProfile",
     "profile_from_config",
     "profile_tensors",
     "profiled_model_types",
     "read_model_config",
 ]
+
+#: a model's config.json as read: free-form JSON, whose keys vary by family (engine/families/)
+ModelConfig = dict[str, Any]
 
 
 def profiled_model_types() -> tuple[str, ...]:
@@ -172,7 +176,7 @@ def profile_tensors(config: Mapping[str, Any]) -> dict[str, dict[str, int]]:
     return parts
 
 
-def read_model_config(path: Path) -> dict[str, Any]:
+def read_model_config(path: Path) -> ModelConfig:
     """config.json of a model directory, or the file itself when ``path`` is a JSON file.
 
     The one reader of config.json (the engine, runtime and CLI all use it): a missing file,

@@ -9,6 +9,7 @@ reference for the routes and the status document.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -19,7 +20,8 @@ from pydantic import Field, ValidationError
 from mlxppd.core.cluster_health import overall_health
 from mlxppd.core.strict import StrictModel
 from mlxppd.http.errors import ApiError, error_response
-from mlxppd.wire.admin_auth import AdminAuthError, AdminVerifier
+from mlxppd.runtime.metrics import PipelineMetrics
+from mlxppd.wire.admin_auth import AdminAuthError, AdminVerifier, admin_key
 
 __all__ = [
     "ADMIN_PREFIX",
@@ -104,6 +106,21 @@ class AdminApi:
     controller: AdminController
     verifier: AdminVerifier
     on_auth_failure: Callable[[str], None] | None = None
+
+
+def signed_admin_api(
+    controller: AdminController, secret_key: bytes, metrics: PipelineMetrics | None
+) -> AdminApi:
+    """The admin API of a coordinator: requests signed with the key derived from the cluster
+    secret (the raw secret stays with the caller); refusals counted when metrics are on."""
+
+    def count_auth_failure(reason: str) -> None:
+        if metrics is not None:
+            metrics.admin_auth_failures.labels(reason=reason).inc()
+
+    return AdminApi(
+        controller, AdminVerifier(admin_key(secret_key), clock=time.time), count_auth_failure
+    )
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

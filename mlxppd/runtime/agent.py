@@ -22,6 +22,7 @@ from mlxppd.core.agent_desired import config_generation, desired_state, match_no
 from mlxppd.core.agent_plan import CoordinatorTarget, DesiredState, plan
 from mlxppd.core.agent_settings import CLUSTER_FILE, HOST_FILE, HostSettings, load_host_settings
 from mlxppd.core.cluster_config import parse_cluster_config
+from mlxppd.core.control_messages import StageExtras, clip
 from mlxppd.core.elastic import policy_with
 from mlxppd.core.errors import ConfigurationError, MlxppError
 from mlxppd.core.model_profile import read_model_config
@@ -142,16 +143,16 @@ class Agent:
         assert self.context is not None
         return self.context.host
 
-    def stage_extras(self) -> dict[str, Any]:
+    def stage_extras(self) -> StageExtras:
         """Added to this node's stage status reports (the coordinator shows them)."""
-        return {
-            "node_id": self.desired.node_id if self.desired else None,
-            "config_generation": self.runtime.generation,
-            "last_reload_error": self.last_reload_error or self.last_reconcile_error,
-            "reload_failures": self.reload_failures,
-            "memory_budget_bytes": self.context.host.memory_budget_bytes if self.context else None,
-            "last_reload": self.runtime.last_reload,
-        }
+        return StageExtras(
+            node_id=clip(self.desired.node_id, 128) if self.desired else None,
+            config_generation=self.runtime.generation,
+            last_reload_error=clip(self.last_reload_error or self.last_reconcile_error),
+            reload_failures=self.reload_failures,
+            memory_budget_bytes=self.context.host.memory_budget_bytes if self.context else None,
+            last_reload=self.runtime.last_reload,
+        )
 
     def _secret_name(self) -> str:
         """The secret file's name when it is configured by path (a change reloads it)."""

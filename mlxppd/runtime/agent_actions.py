@@ -35,26 +35,30 @@ from mlxppd.core.agent_plan import (
 )
 from mlxppd.core.agent_settings import HostSettings
 from mlxppd.core.cluster_config import ClusterConfig, ElasticPolicy
+from mlxppd.core.control_messages import ReloadReport, StageExtras
 from mlxppd.core.cpu_weights import float32_config
 from mlxppd.core.errors import TemporaryError
 from mlxppd.core.kv_admission import UNLIMITED_BYTES
-from mlxppd.core.model_profile import profile_from_config
+from mlxppd.core.model_profile import ModelConfig, profile_from_config
 from mlxppd.core.stages import StageSpec
 from mlxppd.runtime.coordinator import Coordinator
 from mlxppd.runtime.elastic_driver import ElasticDriver
 from mlxppd.runtime.gated_backend import GatedBackend
 from mlxppd.runtime.metrics import PipelineMetrics
 from mlxppd.runtime.mlx_thread import MlxThread
-from mlxppd.runtime.stage_loader import layer_preparer, load_stage_runner, stage_kv_manager
+from mlxppd.runtime.node_start import (
+    CoordinatorSetup,
+    StageSetup,
+    start_pipeline_coordinator,
+    start_stage_worker,
+)
+from mlxppd.runtime.stage_loader import load_stage_runner, stage_kv_manager
 from mlxppd.runtime.stage_worker import StageWorker
 from mlxppd.wire.backends import create_transport, wire_config_for
 from mlxppd.wire.secret import ClusterSecret
 from mlxppd.wire.tasks import spawn, stop_tasks
 
 log = logging.getLogger("mlxppd.agent")
-
-#: sequences one stage holds at once (the coordinator's --parallel bounds it in practice)
-MAX_STAGE_SEQUENCES = 256
 
 
 @dataclass(frozen=True)
@@ -65,7 +69,7 @@ class AgentContext:
     host: HostSettings
     secret: ClusterSecret
     model_dir: Path
-    model_config: dict[str, Any]
+    model_config: ModelConfig
 
 
 def _spec(target: StageTarget) -> StageSpec:
@@ -80,7 +84,7 @@ class NodeRuntime:
         mlx: MlxThread,
         *,
         tokenizer_loader: Callable[[Path], Any],
-        stage_extras: Callable[[], dict[str, Any]],
+        stage_extras: Callable[[], StageExtras],
         start_http: Callable[[GatedBackend, CoordinatorTarget], Any],
         metrics: PipelineMetrics | None = None,
         connect_timeout_s: float = 60.0,
@@ -99,7 +103,7 @@ class NodeRuntime:
         self.policy: ElasticPolicy | None = None
         self.generation: str | None = None
         #: timings and tensor counts of the last stage reload (status and tests read them)
-        self.last_reload: dict[str, Any] | None = None
+        self.last_reload: ReloadReport | None = None
         self.driver: ElasticDriver | None = None
         self._driver_stop = asyncio.Event()
         self._pressure: asyncio.Task[None] | None = None
@@ -134,7 +138,12 @@ class NodeRuntime:
         elif isinstance(action, UpdateKvBudget):
             assert self.worker is not None and self.stage is not None
             self.worker.kv.budget_bytes = action.target.kv_budget_bytes or UNLIMITED_BYTES
-            self.stage = replace(self.stage, kv_budget_bytes=action.target.kv_budget_bytes)
+            self.worker.kv.max_sequences = action.target.max_sequences
+            self.stage = replace(
+                self.stage,
+                kv_budget_bytes=action.target.kv_budget_bytes,
+                max_sequences=action.target.max_sequences,
+            )
         elif isinstance(action, StartCoordinator):
             await self._start_coordinator(action.target, ctx)
         elif isinstance(action, StopCoordinator):
@@ -153,32 +162,22 @@ class NodeRuntime:
     # -- stage ---------------------------------------------------------------------------------
 
     async def _start_stage(self, target: StageTarget, ctx: AgentContext) -> None:
-        spec = _spec(target)
-        runner, per_token = await load_stage_runner(
-            self.mlx, ctx.model_dir, spec, ctx.model_config, weights=target.cpu_weights
+        setup = StageSetup(
+            cluster=ctx.cluster,
+            node_id=target.node_id,
+            secret=ctx.secret,
+            model_dir=ctx.model_dir,
+            model_config=ctx.model_config,
+            spec=_spec(target),
+            host=target.host,
+            port=target.port,
+            transport=target.transport,
+            kv_budget_bytes=target.kv_budget_bytes,
+            max_sequences=target.max_sequences,
+            cpu_weights=target.cpu_weights,
         )
-        kv = stage_kv_manager(spec, per_token, target.kv_budget_bytes, MAX_STAGE_SEQUENCES)
-        transport = create_transport(
-            target.transport, wire_config_for(ctx.cluster, target.node_id, ctx.secret)
-        )
-        prepare = layer_preparer(
-            self.mlx,
-            ctx.model_dir,
-            ctx.model_config,
-            target.kv_budget_bytes,
-            MAX_STAGE_SEQUENCES,
-            target.cpu_weights,
-        )
-        worker = StageWorker(
-            spec, runner, kv, transport, self.mlx, extras=self._stage_extras, prepare_layers=prepare
-        )
-        address = await worker.start(target.host, target.port)
-        self.worker, self.stage = worker, target
-        log.info(
-            "stage %d (%s) serving layers %d-%d on %s:%d, %.1f MB of parameters",
-            spec.index, target.node_id, spec.start, spec.end - 1, *address,
-            runner.stage.parameter_bytes / 1e6,
-        )  # fmt: skip
+        self.worker, _ = await start_stage_worker(setup, self.mlx, extras=self._stage_extras)
+        self.stage = target
 
     async def _stop_stage(self, drain_timeout_s: float) -> None:
         if self.worker is None:
@@ -211,7 +210,7 @@ class NodeRuntime:
                 reuse=worker.runner,
                 weights=target.cpu_weights,
             )
-            kv = stage_kv_manager(spec, per_token, target.kv_budget_bytes, MAX_STAGE_SEQUENCES)
+            kv = stage_kv_manager(spec, per_token, target.kv_budget_bytes, target.max_sequences)
             loaded = time.monotonic()
             await worker.swap(spec, runner, kv)
         finally:
@@ -224,14 +223,14 @@ class NodeRuntime:
             kv_budget_bytes=target.kv_budget_bytes,
             cpu_weights=target.cpu_weights,
         )
-        self.last_reload = {
-            "layers": f"{target.layers.start}-{target.layers.last}",
-            "drain_s": drained - started,
-            "load_s": loaded - drained,
-            "total_s": time.monotonic() - started,
-            "loaded_tensors": runner.stage.loaded_tensors,
-            "reused_tensors": runner.stage.reused_tensors,
-        }
+        self.last_reload = ReloadReport(
+            layers=f"{target.layers.start}-{target.layers.last}",
+            drain_s=drained - started,
+            load_s=loaded - drained,
+            total_s=time.monotonic() - started,
+            loaded_tensors=runner.stage.loaded_tensors,
+            reused_tensors=runner.stage.reused_tensors,
+        )
         log.info(
             "stage %d (%s) now serves layers %d-%d (drain %.2f s, load %.2f s)",
             spec.index, target.node_id, spec.start, spec.end - 1,
@@ -273,31 +272,20 @@ class NodeRuntime:
 
     async def _connect_pipeline(self, target: CoordinatorTarget, ctx: AgentContext) -> None:
         assert self.backend is not None
-        transport = create_transport(
-            target.transport, wire_config_for(ctx.cluster, target.node_id, ctx.secret)
-        )
-        coordinator = Coordinator(
-            ctx.cluster,
-            transport,
-            self.backend.tokenizer,
-            self.backend.model_id,
-            connect_timeout_s=self.connect_timeout_s,
+        setup = CoordinatorSetup(
+            cluster=ctx.cluster,
+            node_id=target.node_id,
+            secret=ctx.secret,
+            transport=target.transport,
+            plan=target.layers,
             micro_batch_size=target.micro_batch_size,
             parallel=target.parallel,
-            metrics=self.metrics,
-            plan=target.layers,
+            warmup=ctx.host.warmup,
+            connect_timeout_s=self.connect_timeout_s,
         )
-        try:
-            await coordinator.start(warmup=False)
-            if await coordinator.align_stages():
-                # The file's ranges win over an earlier elastic repartition's.
-                log.info("coordinator: moved the stages back to the planned layers")
-            if ctx.host.warmup:
-                await coordinator.warm()
-        except BaseException:
-            await coordinator.close()
-            raise
-        self.backend.coordinator = coordinator
+        self.backend.coordinator = await start_pipeline_coordinator(
+            setup, self.backend.tokenizer, self.backend.model_id, self.metrics
+        )
 
     async def _close_pipeline(self) -> None:
         if self.backend is not None and self.backend.coordinator is not None:
@@ -358,11 +346,11 @@ class NodeRuntime:
         self, live: Coordinator, target: CoordinatorTarget, timeout_s: float
     ) -> None:
         pairs = zip(target.stages, target.layers, strict=True)
-        want = {s.node_id: [r.start, r.end] for s, r in pairs}
+        want = {s.node_id: (r.start, r.end) for s, r in pairs}
         deadline = time.monotonic() + timeout_s
         while True:
             reports = await live.stage_reports()
-            have = {n: (r or {}).get("layers") for n, r in reports.items()}
+            have = {n: r.layers if r is not None else None for n, r in reports.items()}
             behind = [n for n, layers in want.items() if have.get(n) != layers]
             if not behind:
                 return

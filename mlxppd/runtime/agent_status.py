@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from mlxppd.core.agent_plan import StageAddress
+from mlxppd.core.control_messages import StageReport
 from mlxppd.core.elastic import Trigger
 from mlxppd.runtime.elastic_driver import ElasticDriver
 from mlxppd.runtime.gated_backend import GatedBackend
@@ -52,7 +53,7 @@ class CoordinatorAdmin:
         view = self.view
         gate = view.gate()
         live = gate.coordinator if gate is not None else None
-        reports: dict[str, dict[str, Any] | None] = {}
+        reports: dict[str, StageReport | None] = {}
         ready = live is not None and live.connected
         if live is not None and ready:
             reports = await live.stage_reports()
@@ -78,7 +79,10 @@ class CoordinatorAdmin:
         if driver is not None:
             coordinator["elastic_enabled"] = driver.machine.policy.enabled
             coordinator["last_repartition_event"] = driver.last_event()
-            coordinator["last_repartition_loads"] = driver.last_loads
+            coordinator["last_repartition_loads"] = [
+                load.model_dump(mode="json") if load is not None else None
+                for load in driver.last_loads
+            ]
         return {"cluster": view.cluster_name(), "coordinator": coordinator, "stages": stages}
 
     async def drain(self) -> dict[str, Any]:
@@ -115,33 +119,31 @@ class CoordinatorAdmin:
         return {"state": str(driver.state), "events": driver.events_after(after)}
 
 
-def _card(
-    index: int, stage: StageAddress, report: dict[str, Any] | None, live: Any
-) -> dict[str, Any]:
-    layers = None
-    if report is not None and isinstance(report.get("layers"), list):
-        start, end = report["layers"]
-        layers = f"{start}-{end - 1}"
-
-    def get(key: str) -> Any:
-        return report.get(key) if report else None
-
-    return {
+def _card(index: int, stage: StageAddress, report: StageReport | None, live: Any) -> dict[str, Any]:
+    card: dict[str, Any] = {
         "stage": index,
         "node_id": stage.node_id,
         "address": f"{stage.host}:{stage.port}",
-        "layers": layers,
+        "layers": None,
         "process_alive": report is not None,
         "transport_connected": live is not None and live.link_alive(stage.node_id),
-        "in_flight": get("active_sequences"),
-        "kv_used_bytes": get("kv_used_bytes"),
-        "kv_budget_bytes": configured_budget(get("kv_budget_bytes")),
-        "elastic_state": get("elastic_state"),
-        "config_generation": get("config_generation"),
-        "last_reload_error": get("last_reload_error"),
-        "memory_budget_bytes": get("memory_budget_bytes"),
-        "weights": get("weights"),
-        "blas": get("blas"),
+    }
+    if report is None:
+        unknown = ("in_flight", "kv_used_bytes", "kv_budget_bytes", "elastic_state")
+        more = ("config_generation", "last_reload_error", "memory_budget_bytes", "weights", "blas")
+        return card | dict.fromkeys(unknown + more)
+    start, end = report.layers
+    return card | {
+        "layers": f"{start}-{end - 1}",
+        "in_flight": report.active_sequences,
+        "kv_used_bytes": report.kv_used_bytes,
+        "kv_budget_bytes": configured_budget(report.kv_budget_bytes),
+        "elastic_state": report.elastic_state,
+        "config_generation": report.config_generation,
+        "last_reload_error": report.last_reload_error,
+        "memory_budget_bytes": report.memory_budget_bytes,
+        "weights": report.weights,
+        "blas": report.blas,
     }
 
 

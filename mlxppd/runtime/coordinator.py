@@ -13,21 +13,37 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 import numpy as np
+from pydantic import ValidationError
 
 from mlxppd.core.cluster_config import ClusterConfig, Node
+from mlxppd.core.control_messages import (
+    Ack,
+    Admission,
+    Admit,
+    AdmitReply,
+    Configure,
+    Reassign,
+    ReassignReply,
+    Release,
+    StageReport,
+    Status,
+    TraceDump,
+    TraceReply,
+    parse_trace_events,
+)
 from mlxppd.core.errors import TemporaryError
 from mlxppd.core.kv_admission import AdmissionDiagnostic, RejectReason
 from mlxppd.core.layer_ranges import LayerRange
-from mlxppd.core.pipeline_messages import BatchTokenMeta, TokenMeta
+from mlxppd.core.pipeline_messages import BatchTokenMeta, GroupFailure, TokenMeta
+from mlxppd.core.strict import StrictModel
 from mlxppd.runtime.backend import (
     AdmissionClosed,
     AdmissionRejected,
@@ -36,6 +52,7 @@ from mlxppd.runtime.backend import (
     SamplingParams,
     TokenEvent,
 )
+from mlxppd.runtime.control_client import BadReplyError, ControlClient
 from mlxppd.runtime.metrics import PipelineMetrics
 from mlxppd.runtime.micro_batcher import MicroBatcher
 from mlxppd.runtime.trace import TraceBuffer, TraceFile
@@ -49,12 +66,14 @@ log = logging.getLogger("mlxppd.coordinator")
 
 PREFILL_STEP_SIZE = 2048
 REPLY_TIMEOUT_S = 30.0
+ReplyT = TypeVar("ReplyT", bound=StrictModel)
 
 
 @dataclass
 class _StageLink:
     node: Node
     channel: SecureChannel
+    control: ControlClient
     reader: asyncio.Task[None] | None = None
     alive: bool = True
 
@@ -64,6 +83,17 @@ class _Broken:
 
     def __init__(self, reason: str):
         self.reason = reason
+
+
+class LayerMoveError(TemporaryError):
+    """Moving the stages to new layer ranges failed; ``refusals`` is (stage, error) per stage
+    that refused. After a refused prepare every stage keeps its old range; after a failed
+    commit (``committed``) a stage is broken, not busy."""
+
+    def __init__(self, message: str, refusals: list[tuple[int, str]], *, committed: bool):
+        super().__init__(message)
+        self.refusals = refusals
+        self.committed = committed
 
 
 class Coordinator:
@@ -90,13 +120,10 @@ class Coordinator:
         self._model_id = model_id
         self._connect_timeout_s = connect_timeout_s
         self._links: list[_StageLink] = []
-        self._replies: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._queues: dict[str, asyncio.Queue[TokenEvent | _Broken]] = {}
-        self._rid = itertools.count()
         self._seq = itertools.count()
         self._ready = False
         self._broken: str | None = None
-        self._status: list[dict[str, Any]] = []
         # --parallel: sequences generating at once; later requests wait for a slot.
         self._slots = asyncio.Semaphore(parallel)
         self.waiting = 0
@@ -121,26 +148,23 @@ class Coordinator:
     async def start(self, *, warmup: bool = True) -> None:
         for node in self.cluster.stage_nodes():
             channel = await self._connect(node)
-            link = _StageLink(node, channel)
+            link = _StageLink(node, channel, ControlClient(channel, REPLY_TIMEOUT_S))
             link.reader = spawn(self._read(link), name=f"read-{node.id}")
             self._links.append(link)
         nodes = [link.node for link in self._links]
         for i, link in enumerate(self._links):
             nxt = nodes[i + 1] if i + 1 < len(nodes) else None
-            reply = await self._request(
-                link,
-                {
-                    "op": "configure",
-                    "next_host": nxt.host if nxt else None,
-                    "next_port": nxt.port if nxt else None,
-                    "next_node": nxt.id if nxt else None,
-                    "trace": self.trace.enabled,
-                },
+            configure = Configure(
+                next_host=nxt.host if nxt else None,
+                next_port=nxt.port if nxt else None,
+                next_node=nxt.id if nxt else None,
+                trace=self.trace.enabled,
             )
-            if not reply.get("ok"):
+            reply = await self._request(link, configure, Ack)
+            if not reply.ok:
                 raise TemporaryError(
                     f"stage {link.node.id} could not reach stage {nxt.id if nxt else '?'}: "
-                    f"{reply.get('error')}"
+                    f"{reply.error}"
                 )
         if warmup:
             await self.warm()
@@ -160,17 +184,38 @@ class Coordinator:
         of an earlier elastic repartition). True when something had to move."""
         if self.plan is None:
             return False
-        want = [[r.start, r.end] for r in self.plan]
+        want = [(r.start, r.end) for r in self.plan]
         reports = await self.stage_status()
-        if [r.get("layers") for r in reports] == want:
+        if [r.layers for r in reports] == want:
             return False
-        replies = await self.reassign("prepare", self.plan, timeout_s)
-        if not all(r.get("ok") for r in replies):
-            await self.reassign("abort", self.plan, 30.0)
-            errors = "; ".join(str(r.get("error")) for r in replies if not r.get("ok"))
-            raise TemporaryError(f"stages could not load the planned layers: {errors}")
-        await self.reassign("commit", self.plan, 60.0)
+        await self.move_stages(self.plan, timeout_s)
         return True
+
+    async def move_stages(
+        self, target: tuple[LayerRange, ...], prepare_timeout_s: float
+    ) -> list[ReassignReply]:
+        """The two-phase move to new layer ranges, the one place it is written: every stage
+        prepares its new range beside the old one (loading only the layers it gains), then,
+        only when all are ready, every stage commits; one refusal aborts everywhere. Returns
+        the prepare replies (what each stage loaded); the plan becomes ``target``."""
+        replies = await self.reassign("prepare", target, prepare_timeout_s)
+        refused = [(i, str(r.error)) for i, r in enumerate(replies) if not r.ok]
+        if refused:
+            with contextlib.suppress(BackendUnavailable):
+                await self.reassign("abort", target, 30.0)
+            errors = "; ".join(error for _, error in refused)
+            raise LayerMoveError(
+                f"stages could not load the planned layers: {errors}", refused, committed=False
+            )
+        committed = await self.reassign("commit", target, 60.0)
+        failed = [(i, str(r.error)) for i, r in enumerate(committed) if not r.ok]
+        if failed:
+            # A commit is a pointer swap; failing here means a stage is broken, not busy.
+            raise LayerMoveError(
+                f"a stage failed to switch layers: {failed}", failed, committed=True
+            )
+        self.plan = target
+        return replies
 
     async def _poll_stages(self, every_s: float = 1.0) -> None:
         """Stage reports for the metrics: one scrape of the coordinator covers the cluster."""
@@ -198,13 +243,20 @@ class Coordinator:
                     # One clock: the stage's offset from ours, estimated from a status round
                     # trip (the stage read its clock about halfway through it).
                     sent = time.time()
-                    status = await self._request(link, {"op": "status"})
-                    offset_us = (float(status["now"]) - (sent + time.time()) / 2) * 1e6
-                    reply = await self._request(link, {"op": "trace"})
-                    for event in json.loads(reply.get("_payload", b"[]")):
-                        event["ts"] = float(event["ts"]) - offset_us
-                        events.append(event)
+                    status = await self._request(link, Status(), StageReport)
+                    offset_us = (status.now - (sent + time.time()) / 2) * 1e6
+                    events.extend(await self._stage_trace(link, offset_us))
         return self._trace_file.flush(events)
+
+    async def _stage_trace(self, link: _StageLink, offset_us: float) -> list[dict[str, object]]:
+        """A stage's trace events, moved onto this node's clock."""
+        with self._answering(link):
+            _, payload = await link.control.ask_with_payload(TraceDump(), TraceReply)
+            try:
+                stage_events = parse_trace_events(payload)
+            except ValidationError as exc:
+                raise BadReplyError(f"malformed trace events: {exc.errors()[0]['msg']}") from None
+        return [{**e.model_dump(exclude_none=True), "ts": e.ts - offset_us} for e in stage_events]
 
     async def _connect(self, node: Node) -> SecureChannel:
         deadline = asyncio.get_running_loop().time() + self._connect_timeout_s
@@ -250,22 +302,25 @@ class Coordinator:
             )
         return Health(ready=True, detail="all stages connected", stages=stages)
 
-    async def stage_status(self) -> list[dict[str, Any]]:
+    async def stage_status(self) -> list[StageReport]:
         """Each stage's own report (KV use, busy fraction, forwards)."""
-        return [await self._request(link, {"op": "status"}) for link in self._links]
+        return [await self._request(link, Status(), StageReport) for link in self._links]
 
     async def set_stage_admission(self, open_: bool, state: str) -> None:
         """Open or close admission on every stage (an elastic drain), reporting ``state``."""
-        command = {"op": "admission", "open": open_, "state": state}
-        await asyncio.gather(*(self._request(link, command) for link in self._links))
+        command = Admission(open=open_, state=state)
+        await asyncio.gather(*(self._request(link, command, Ack) for link in self._links))
 
     async def reassign(
-        self, phase: str, plan: tuple[LayerRange, ...], timeout_s: float
-    ) -> list[dict[str, Any]]:
+        self, phase: Literal["prepare", "commit", "abort"], plan: tuple[LayerRange, ...],
+        timeout_s: float,
+    ) -> list[ReassignReply]:  # fmt: skip
         """One phase of an elastic resume on every stage; each stage's reply, in stage order."""
-        command = {"op": "reassign", "phase": phase, "plan": [[r.start, r.end] for r in plan]}
+        command = Reassign(phase=phase, plan=[(r.start, r.end) for r in plan])
         return list(
-            await asyncio.gather(*(self._request(link, command, timeout_s) for link in self._links))
+            await asyncio.gather(
+                *(self._request(link, command, ReassignReply, timeout_s) for link in self._links)
+            )
         )
 
     @property
@@ -276,14 +331,14 @@ class Coordinator:
     def link_alive(self, node_id: str) -> bool:
         return any(link.alive for link in self._links if link.node.id == node_id)
 
-    async def stage_reports(self) -> dict[str, dict[str, Any] | None]:
+    async def stage_reports(self) -> dict[str, StageReport | None]:
         """Each connected stage's report by node id; None for a stage that did not answer."""
 
-        async def one(link: _StageLink) -> dict[str, Any] | None:
+        async def one(link: _StageLink) -> StageReport | None:
             if not link.alive:
                 return None
             try:
-                return await self._request(link, {"op": "status"})
+                return await self._request(link, Status(), StageReport)
             except BackendUnavailable:
                 return None
 
@@ -371,34 +426,21 @@ class Coordinator:
         return set(getattr(self._tokenizer, "eos_token_ids", ()) or ())
 
     async def _admit(self, seq: str, prompt: list[int], params: SamplingParams) -> None:
-        command = {
-            "op": "admit",
-            "seq": seq,
-            "prompt_tokens": len(prompt),
-            "max_tokens": params.max_tokens,
-            "temperature": params.temperature,
-            "top_p": params.top_p,
-            "seed": params.seed,
-        }
-        if self.plan is not None:
-            command["plan"] = [[r.start, r.end] for r in self.plan]
+        plan = [(r.start, r.end) for r in self.plan] if self.plan is not None else None
         for commit in (False, True):
+            command = Admit(
+                seq=seq, prompt_tokens=len(prompt), max_tokens=params.max_tokens, commit=commit,
+                temperature=params.temperature, top_p=params.top_p, seed=params.seed, plan=plan,
+            )  # fmt: skip
             replies = await asyncio.gather(
-                *(self._request(link, {**command, "commit": commit}) for link in self._links)
+                *(self._request(link, command, AdmitReply) for link in self._links)
             )
-            refused = [r for r in replies if not r.get("ok")]
+            refusals = [r.refusal(i) for i, r in enumerate(replies)]
+            refused = [d for d in refusals if d is not None]
             if refused:
                 if commit:  # another request took the room between dry run and commit
                     await self._release(seq)
-                d = refused[0].get("diagnostic") or {}
-                diagnostic = AdmissionDiagnostic(
-                    stage_index=int(d.get("stage_index", -1)),
-                    reason=RejectReason(d.get("reason", "rejected_by_stage")),
-                    required_bytes=int(d.get("required_bytes", 0)),
-                    used_memory_bytes=int(d.get("used_memory_bytes", 0)),
-                    budget_bytes=int(d.get("budget_bytes", 0)),
-                    active_sequences=int(d.get("active_sequences", 0)),
-                )
+                diagnostic = refused[0]
                 self._rejected(seq, diagnostic)
                 if diagnostic.reason in (RejectReason.DRAINING, RejectReason.PLAN_MISMATCH):
                     raise AdmissionClosed(diagnostic.message())
@@ -422,7 +464,7 @@ class Coordinator:
         for link in self._links:
             if link.alive:
                 with contextlib.suppress(ChannelClosedError, FrameError):
-                    await link.channel.send(MessageKind.CONTROL, {"op": "release", "seq": seq})
+                    await link.control.tell(Release(seq=seq))
 
     async def _send_input(
         self, seq: str, step: int, tokens: list[int], sample: bool, logprobs: bool
@@ -448,31 +490,29 @@ class Coordinator:
             raise BackendUnavailable(self._broken or str(exc)) from None
 
     async def _request(
-        self, link: _StageLink, command: dict[str, Any], timeout_s: float = REPLY_TIMEOUT_S
-    ) -> dict[str, Any]:
-        rid = next(self._rid)
-        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self._replies[rid] = future
+        self,
+        link: _StageLink,
+        command: StrictModel,
+        reply: type[ReplyT],
+        timeout_s: float = REPLY_TIMEOUT_S,
+    ) -> ReplyT:
+        with self._answering(link):
+            return await link.control.ask(command, reply, timeout_s=timeout_s)
+
+    @contextlib.contextmanager
+    def _answering(self, link: _StageLink) -> Iterator[None]:
+        """A stage that does not answer, or answers nonsense, breaks the pipeline."""
         try:
-            await link.channel.send(MessageKind.CONTROL, {**command, "rid": rid})
-            async with asyncio.timeout(timeout_s):
-                return await future
-        except (ChannelClosedError, TimeoutError) as exc:
+            yield
+        except (ChannelClosedError, TimeoutError, BadReplyError) as exc:
             self._fail(link, f"stage {link.node.id} did not answer: {exc or 'timeout'}")
             raise BackendUnavailable(self._broken or "a stage did not answer") from None
-        finally:
-            self._replies.pop(rid, None)
 
     async def _read(self, link: _StageLink) -> None:
         try:
             async for message in link.channel:
                 if message.kind is MessageKind.REPLY:
-                    future = self._replies.get(int(message.meta.get("rid", -1)))
-                    if future is not None and not future.done():
-                        reply = dict(message.meta)
-                        if message.tensor is not None:
-                            reply["_payload"] = bytes(message.tensor.data)
-                        future.set_result(reply)
+                    link.control.deliver(message)
                 elif (
                     message.kind is MessageKind.TOKENS
                     and message.tensor is not None
@@ -483,8 +523,8 @@ class Coordinator:
                     tokens = np.frombuffer(message.tensor.data, dtype=np.int32).tolist()
                     self._batcher.on_tokens(batch.group, batch.seqs, tokens, batch.logprobs)
                 elif message.kind is MessageKind.ERROR and self._batcher is not None:
-                    group = str(message.meta.get("group", ""))
-                    self._batcher.fail_group(group, str(message.meta.get("message", "")))
+                    failure = GroupFailure.model_validate(dict(message.meta))
+                    self._batcher.fail_group(failure.group, failure.message)
                 elif message.kind is MessageKind.TOKENS and message.tensor is not None:
                     meta = TokenMeta.model_validate(dict(message.meta))
                     token = int(np.frombuffer(message.tensor.data, dtype=np.int32)[0])
@@ -508,6 +548,5 @@ class Coordinator:
             queue.put_nowait(_Broken(reason))
         if self._batcher is not None:
             self._batcher.fail(reason)
-        for future in self._replies.values():
-            if not future.done():
-                future.set_exception(BackendUnavailable(reason))
+        for each in self._links:
+            each.control.fail(BackendUnavailable(reason))

@@ -20,6 +20,7 @@ from dataclasses import replace
 from typing import Any
 
 from mlxppd.core.cluster_config import ElasticPolicy
+from mlxppd.core.control_messages import LayerLoad
 from mlxppd.core.elastic import (
     ElasticMachine,
     ElasticState,
@@ -38,7 +39,7 @@ from mlxppd.core.layer_ranges import LayerRange, parse_pp_layers
 from mlxppd.core.model_profile import ModelProfile
 from mlxppd.core.partition import balance_layers, plan_layers
 from mlxppd.runtime.backend import BackendUnavailable
-from mlxppd.runtime.coordinator import Coordinator
+from mlxppd.runtime.coordinator import Coordinator, LayerMoveError
 from mlxppd.runtime.gated_backend import GatedBackend
 from mlxppd.runtime.metrics import PipelineMetrics
 from mlxppd.runtime.stage_loader import configured_budget
@@ -81,7 +82,7 @@ class ElasticDriver:
         self._next_event = 0
         self._task: asyncio.Task[None] | None = None
         #: per stage: tensors loaded / reused and load seconds of the last resume
-        self.last_loads: list[dict[str, Any]] = []
+        self.last_loads: list[LayerLoad | None] = []
         self._last_pressure_refusal: str | None = None
 
     # -- reading -------------------------------------------------------------------------------
@@ -145,7 +146,7 @@ class ElasticDriver:
     async def _check_pressure(self, coordinator: Coordinator, policy: ElasticPolicy) -> None:
         reports = await coordinator.stage_reports()
         usage = [
-            (int(r["stage"]), int(r["kv_used_bytes"]), configured_budget(r.get("kv_budget_bytes")))
+            (r.stage, r.kv_used_bytes, configured_budget(r.kv_budget_bytes))
             for r in reports.values()
             if r is not None
         ]
@@ -203,7 +204,7 @@ class ElasticDriver:
         deadline = self._clock() + self.machine.policy.drain_timeout_s
         while True:
             reports = await coordinator.stage_reports()
-            busy = any(r is None or r.get("active_sequences") for r in reports.values())
+            busy = any(r is None or r.active_sequences for r in reports.values())
             if not busy and self.gate.in_flight == 0:
                 return True
             if any(r is None for r in reports.values()):
@@ -221,12 +222,12 @@ class ElasticDriver:
         n = len(self.machine.ranges)
         budgets: list[int | None]
         reports = await coordinator.stage_reports()
-        by_stage = {int(r["stage"]): r for r in reports.values() if r is not None}
+        by_stage = {r.stage: r for r in reports.values() if r is not None}
         # A stage holding float32 weights costs what the float32 pricing says; one such stage
         # prices the plan in float32 (never under-priced; native stages get slack).
         profile = self.profile
         if self.float32_profile is not None and any(
-            r.get("weights") == "float32" for r in by_stage.values()
+            r.weights == "float32" for r in by_stage.values()
         ):
             profile = self.float32_profile
         if stage_memory is not None:
@@ -235,7 +236,10 @@ class ElasticDriver:
             budgets = list(stage_memory)
         else:
             # Each stage's budget as its node reports it (None: unlimited).
-            budgets = [by_stage.get(i, {}).get("memory_budget_bytes") for i in range(n)]
+            budgets = [
+                report.memory_budget_bytes if (report := by_stage.get(i)) is not None else None
+                for i in range(n)
+            ]
         if pp_layers is not None:
             ranges = parse_pp_layers(pp_layers, profile.num_layers, profile.adjacency_groups)
             plan = plan_layers(profile, ranges, budgets)
@@ -250,24 +254,16 @@ class ElasticDriver:
         return tuple(balance_layers(profile, n, budgets).ranges)
 
     async def _resume(self, coordinator: Coordinator, target: tuple[LayerRange, ...]) -> None:
-        replies = await coordinator.reassign("prepare", target, PREPARE_TIMEOUT_S)
-        refused = [(i, r) for i, r in enumerate(replies) if not r.get("ok")]
-        if refused:
-            with contextlib.suppress(BackendUnavailable):
-                await coordinator.reassign("abort", target, 30.0)
-            index, reply = refused[0]
+        try:
+            replies = await coordinator.move_stages(target, PREPARE_TIMEOUT_S)
+        except LayerMoveError as exc:
+            if exc.committed:
+                raise RepartitionFailed(str(exc)) from None
+            index, error = exc.refusals[0]
             raise RepartitionFailed(
-                f"stage {index} could not load its new layers: {reply.get('error')}"
-            )
-        self.last_loads = [
-            {k: r.get(k) for k in ("layers", "loaded_tensors", "reused_tensors", "load_s")}
-            for r in replies
-        ]
-        committed = await coordinator.reassign("commit", target, 60.0)
-        if not all(r.get("ok") for r in committed):
-            # A commit is a pointer swap; failing here means a stage is broken, not busy.
-            raise RepartitionFailed(f"a stage failed to switch layers: {committed}")
-        coordinator.plan = target
+                f"stage {index} could not load its new layers: {error}"
+            ) from None
+        self.last_loads = [r.load() for r in replies]
 
     async def _release(self, coordinator: Coordinator | None) -> None:
         if coordinator is not None and coordinator.connected:

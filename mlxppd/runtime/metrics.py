@@ -22,6 +22,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from mlxppd.core.control_messages import StageReport, WireCounters
 from mlxppd.core.stage_accounting import LATENCY_BUCKETS, fractions
 
 _TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -31,9 +32,16 @@ _TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 
 class _StageHistory:
     """(monotonic poll time, report) pairs within the window, oldest first."""
 
-    reports: collections.deque[tuple[float, dict[str, Any]]] = field(
-        default_factory=collections.deque
-    )
+    reports: collections.deque[tuple[float, StageReport]] = field(default_factory=collections.deque)
+
+
+@dataclass(frozen=True)
+class StageView:
+    """A stage's latest report and its busy / bubble fractions over the window."""
+
+    report: StageReport
+    busy_fraction: float
+    bubble_fraction: float
 
 
 class PipelineMetrics:
@@ -100,22 +108,23 @@ class PipelineMetrics:
         self._queue_depth, self._active = queue_depth, active
         self._wire, self._rdma_fallbacks = wire, rdma_fallbacks
 
-    def record_stage_reports(self, now: float, reports: list[dict[str, Any]]) -> None:
+    def record_stage_reports(self, now: float, reports: list[StageReport]) -> None:
         """Keep each stage's reports of the last window (and the one just before it)."""
         for report in reports:
-            history = self._stages.setdefault(int(report["stage"]), _StageHistory())
+            history = self._stages.setdefault(report.stage, _StageHistory())
             history.reports.append((now, report))
             while len(history.reports) > 2 and history.reports[1][0] < now - self.window_s:
                 history.reports.popleft()
 
-    def stage_view(self) -> list[dict[str, Any]]:
+    def stage_view(self) -> list[StageView]:
         """Per stage: latest report plus busy / bubble fractions over the window."""
         out = []
         for index in sorted(self._stages):
             reports = self._stages[index].reports
             first, last = reports[0][1], reports[-1][1]
-            busy, bubble = fractions(first, last) if len(reports) > 1 else (0.0, 0.0)
-            out.append({**last, "busy_fraction": busy, "bubble_fraction": bubble})
+            pair = fractions(first.activity(), last.activity())
+            busy, bubble = pair if len(reports) > 1 else (0.0, 0.0)
+            out.append(StageView(last, busy, bubble))
         return out
 
 
@@ -151,29 +160,28 @@ class _StageCollector(Collector):
             "Longest activation hand-off",
             labels=["src_stage", "dst_stage"],
         )
-        for s in stages:
-            label = [str(s["stage"])]
-            busy.add_metric(label, s["busy_fraction"])
-            bubble.add_metric(label, s["bubble_fraction"])
-            busy_s.add_metric(label, float(s.get("busy_s", 0.0)))
-            active_s.add_metric(label, float(s.get("active_s", 0.0)))
-            kv_used.add_metric(label, float(s.get("kv_used_bytes", 0)))
-            kv_budget.add_metric(label, float(s.get("kv_budget_bytes", 0)))
-            hist = s.get("activation_latency") or {}
-            if s["stage"] > 0 and hist.get("counts"):
-                pair = [str(s["stage"] - 1), str(s["stage"])]
+        for view in stages:
+            s = view.report
+            label = [str(s.stage)]
+            busy.add_metric(label, view.busy_fraction)
+            bubble.add_metric(label, view.bubble_fraction)
+            busy_s.add_metric(label, s.busy_s)
+            active_s.add_metric(label, s.active_s)
+            kv_used.add_metric(label, float(s.kv_used_bytes))
+            kv_budget.add_metric(label, float(s.kv_budget_bytes))
+            hist = s.activation_latency
+            if s.stage > 0 and hist.counts:
+                pair = [str(s.stage - 1), str(s.stage)]
                 running, buckets = 0, []
-                for bound, n in zip((*LATENCY_BUCKETS, float("inf")), hist["counts"], strict=True):
-                    running += int(n)
+                for bound, n in zip((*LATENCY_BUCKETS, float("inf")), hist.counts, strict=True):
+                    running += n
                     buckets.append((_le(bound), running))
-                latency.add_metric(pair, buckets, float(hist.get("sum", 0.0)))
-                latency_max.add_metric(pair, float(hist.get("max", 0.0)))
+                latency.add_metric(pair, buckets, hist.sum)
+                latency_max.add_metric(pair, hist.max)
         mean = GaugeMetricFamily(
             "mlxpp_pp_mean_bubble_ratio", "Mean bubble fraction over the stages"
         )
-        mean.add_metric(
-            [], sum(s["bubble_fraction"] for s in stages) / len(stages) if stages else 0
-        )
+        mean.add_metric([], sum(s.bubble_fraction for s in stages) / len(stages) if stages else 0)
         yield from (busy, bubble, mean, busy_s, active_s, kv_used, kv_budget, latency, latency_max)
 
         queue = GaugeMetricFamily("mlxpp_queue_depth", "Requests waiting for a free slot")
@@ -182,11 +190,11 @@ class _StageCollector(Collector):
         active.add_metric([], self.m._active())
         yield from (queue, active)
 
-        wire = [self.m._wire(), *(s.get("wire") or {} for s in stages)]
+        wire = [WireCounters.model_validate(self.m._wire()), *(s.report.wire for s in stages)]
         handshakes = CounterMetricFamily(
             "mlxpp_transport_handshake_failures", "Transport handshakes that failed, all nodes"
         )
-        handshakes.add_metric([], sum(sum(w.get("handshake_failures", {}).values()) for w in wire))
+        handshakes.add_metric([], sum(sum(w.handshake_failures.values()) for w in wire))
         rejected = CounterMetricFamily(
             "mlxpp_transport_rejected_frames",
             "Received frames rejected (connection closed), all nodes, by reason",
@@ -194,7 +202,7 @@ class _StageCollector(Collector):
         )
         reasons: collections.Counter[str] = collections.Counter()
         for w in wire:
-            reasons.update(w.get("rejected_frames", {}))
+            reasons.update(w.rejected_frames)
         for reason, n in sorted(reasons.items()):
             rejected.add_metric([reason], n)
         fallbacks = CounterMetricFamily("mlxpp_rdma_fallbacks", "RDMA transport fallbacks to TCP")

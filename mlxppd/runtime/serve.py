@@ -21,6 +21,7 @@ from mlxppd.core.agent_desired import cluster_layer_plan
 from mlxppd.core.cluster_config import ClusterConfig, NodeRole, load_cluster_config
 from mlxppd.core.cpu_weights import CpuWeights
 from mlxppd.core.errors import ConfigurationError
+from mlxppd.core.kv_admission import DEFAULT_STAGE_SEQUENCES
 from mlxppd.core.model_profile import read_model_config
 from mlxppd.core.stages import StageSpec
 from mlxppd.engine.model_files import resolve_model_dir
@@ -29,9 +30,12 @@ from mlxppd.runtime.atomic_write import write_text_atomic
 from mlxppd.runtime.coordinator import Coordinator
 from mlxppd.runtime.metrics import PipelineMetrics
 from mlxppd.runtime.mlx_thread import MlxThread
-from mlxppd.runtime.stage_loader import layer_preparer, load_stage_runner, stage_kv_manager
-from mlxppd.runtime.stage_worker import StageWorker
-from mlxppd.wire.backends import create_transport, wire_config_for
+from mlxppd.runtime.node_start import (
+    CoordinatorSetup,
+    StageSetup,
+    start_pipeline_coordinator,
+    start_stage_worker,
+)
 from mlxppd.wire.secret import load_cluster_secret
 
 log = logging.getLogger("mlxppd.serve")
@@ -48,7 +52,7 @@ class NodeOptions:
     host: str = "127.0.0.1"
     port: int = 8080
     kv_budget_bytes: int | None = None
-    max_sequences: int = 64
+    max_sequences: int = DEFAULT_STAGE_SEQUENCES
     parallel: int = 64
     warmup: bool = True
     alias: str | None = None
@@ -108,30 +112,24 @@ async def run_stage_node(options: NodeOptions) -> int:
     config = read_model_config(model_dir)
     ranges = cluster_layer_plan(cluster, config)
     layers = ranges[node.stage]
-    spec = StageSpec(node.stage, len(ranges), layers.start, layers.end)
+    setup = StageSetup(
+        cluster=cluster,
+        node_id=node.id,
+        secret=secret,
+        model_dir=model_dir,
+        model_config=config,
+        spec=StageSpec(node.stage, len(ranges), layers.start, layers.end),
+        host=node.host,
+        port=node.port,
+        transport=cluster.cluster.transport_backend,
+        kv_budget_bytes=options.kv_budget_bytes or cluster.cluster.kv_budget_bytes,
+        max_sequences=options.max_sequences,
+        cpu_weights=options.cpu_weights or cluster.cluster.cpu_weights,
+    )
     mlx = MlxThread(f"mlx-stage{node.stage}")
     try:
-        weights = options.cpu_weights or cluster.cluster.cpu_weights
-        runner, per_token = await load_stage_runner(mlx, model_dir, spec, config, weights=weights)
-        kv = stage_kv_manager(
-            spec,
-            per_token,
-            options.kv_budget_bytes or cluster.cluster.kv_budget_bytes,
-            options.max_sequences,
-        )
-        transport = create_transport(
-            cluster.cluster.transport_backend, wire_config_for(cluster, node.id, secret)
-        )
-        budget = options.kv_budget_bytes or cluster.cluster.kv_budget_bytes
-        prepare = layer_preparer(mlx, model_dir, config, budget, options.max_sequences, weights)
-        worker = StageWorker(spec, runner, kv, transport, mlx, prepare_layers=prepare)
         stop = stop_event()
-        address = await worker.start(node.host, node.port)
-        log.info(
-            "stage %d (%s) serving layers %d-%d on %s:%d, %.1f MB of parameters",
-            spec.index, node.id, spec.start, spec.end - 1, *address,
-            runner.stage.parameter_bytes / 1e6,
-        )  # fmt: skip
+        worker, address = await start_stage_worker(setup, mlx)
         write_ready(options.ready_file, f"{address[0]}:{address[1]}\n")
         await stop.wait()
         await worker.close()
@@ -150,25 +148,21 @@ async def start_coordinator(options: NodeOptions) -> Coordinator:
             key="--node-id",
         )
     model_dir = resolve_model_dir(options.model)
-    transport = create_transport(
-        cluster.cluster.transport_backend, wire_config_for(cluster, node.id, secret)
-    )
-    model_id = options.alias or model_dir.name
-    plan = cluster_layer_plan(cluster, read_model_config(model_dir))
-    coordinator = Coordinator(
-        cluster,
-        transport,
-        load_tokenizer(model_dir),
-        model_id,
+    setup = CoordinatorSetup(
+        cluster=cluster,
+        node_id=node.id,
+        secret=secret,
+        transport=cluster.cluster.transport_backend,
+        plan=cluster_layer_plan(cluster, read_model_config(model_dir)),
         micro_batch_size=options.micro_batch_size,
         parallel=options.parallel,
-        metrics=(
-            PipelineMetrics(CollectorRegistry())
-            if options.metrics or options.metrics_port is not None
-            else None
-        ),
+        warmup=options.warmup,
         trace_path=options.trace_path,
-        plan=plan,
     )
-    await coordinator.start(warmup=options.warmup)
-    return coordinator
+    wants_metrics = options.metrics or options.metrics_port is not None
+    return await start_pipeline_coordinator(
+        setup,
+        load_tokenizer(model_dir),
+        options.alias or model_dir.name,
+        PipelineMetrics(CollectorRegistry()) if wants_metrics else None,
+    )

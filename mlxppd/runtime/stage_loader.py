@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from mlxppd.core.control_messages import LayerLoad
 from mlxppd.core.cpu_weights import CpuWeights
 from mlxppd.core.kv_admission import UNLIMITED_BYTES, StageKvManager
 from mlxppd.core.stages import StageSpec
@@ -64,26 +65,24 @@ def layer_preparer(
     budget_bytes: int | None,
     max_sequences: int,
     weights: CpuWeights = CpuWeights.AUTO,
-) -> Callable[
-    [StageSpec, StageRunner], Awaitable[tuple[StageRunner, StageKvManager, dict[str, Any]]]
-]:
+) -> Callable[[StageSpec, StageRunner], Awaitable[tuple[StageRunner, StageKvManager, LayerLoad]]]:
     """The stage worker's ``prepare_layers``: new layers beside the old, reusing what it can."""
 
     async def prepare(
         spec: StageSpec, current: StageRunner
-    ) -> tuple[StageRunner, StageKvManager, dict[str, Any]]:
+    ) -> tuple[StageRunner, StageKvManager, LayerLoad]:
         started = time.monotonic()
         runner, per_token = await load_stage_runner(
             mlx, model_dir, spec, config, reuse=current, weights=weights
         )
         kv = stage_kv_manager(spec, per_token, budget_bytes, max_sequences)
-        report = {
-            "layers": [spec.start, spec.end],
-            "loaded_tensors": runner.stage.loaded_tensors,
-            "reused_tensors": runner.stage.reused_tensors,
-            "load_s": time.monotonic() - started,
-        }
-        return runner, kv, report
+        load = LayerLoad(
+            layers=(spec.start, spec.end),
+            loaded_tensors=runner.stage.loaded_tensors,
+            reused_tensors=runner.stage.reused_tensors,
+            load_s=time.monotonic() - started,
+        )
+        return runner, kv, load
 
     return prepare
 

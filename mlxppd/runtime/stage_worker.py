@@ -21,6 +21,27 @@ from typing import Any
 import numpy as np
 from pydantic import ValidationError
 
+from mlxppd.core.control_messages import (
+    Ack,
+    Admission,
+    Admit,
+    AdmitRefusal,
+    AdmitReply,
+    Configure,
+    LatencyReport,
+    LayerLoad,
+    Reassign,
+    ReassignReply,
+    Release,
+    StageExtras,
+    StageReport,
+    Status,
+    TraceDump,
+    TraceReply,
+    WireCounters,
+    clip,
+    parse_control,
+)
 from mlxppd.core.kv_admission import (
     AdmissionDiagnostic,
     AdmissionRequest,
@@ -28,37 +49,73 @@ from mlxppd.core.kv_admission import (
     StageKvManager,
 )
 from mlxppd.core.pipeline_messages import (
-    Admission,
-    Admit,
     BatchForwardMeta,
-    Configure,
+    BatchTokenMeta,
     ForwardMeta,
-    Reassign,
-    Release,
-    Status,
-    TraceDump,
-    parse_control,
+    GroupFailure,
+    TokenMeta,
 )
 from mlxppd.core.stage_accounting import ActivityClock, LatencyHistogram
 from mlxppd.core.stages import StageSpec
+from mlxppd.core.strict import StrictModel
 from mlxppd.engine.blas import blas_in_use
 from mlxppd.engine.stage_runner import StageRunner
 from mlxppd.engine.wire_tensors import from_wire, to_wire
 from mlxppd.runtime.mlx_thread import MlxThread
 from mlxppd.runtime.trace import TraceBuffer, now_us
 from mlxppd.wire.channel import SecureChannel
-from mlxppd.wire.codec import Message, MessageKind
+from mlxppd.wire.codec import Message, MessageKind, Tensor
 from mlxppd.wire.errors import ChannelClosedError, FrameError
 from mlxppd.wire.tasks import TaskSet, spawn, stop_tasks
 from mlxppd.wire.transport import Listener, Transport
 
 log = logging.getLogger("mlxppd.stage")
 
-_Item = tuple[str, Any]
-#: loads a stage's new layers, reusing what the current runner holds: (runner, kv, report)
+#: loads a stage's new layers, reusing what the current runner holds: (runner, kv, what it read)
 PrepareLayers = Callable[
-    [StageSpec, StageRunner], Awaitable[tuple[StageRunner, StageKvManager, dict[str, Any]]]
+    [StageSpec, StageRunner], Awaitable[tuple[StageRunner, StageKvManager, LayerLoad]]
 ]
+#: what the agent adds to each status report (config generation, reload error, ...)
+ExtrasSource = Callable[[], StageExtras]
+
+
+# -- the compute loop's work, in arrival order ------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Forward:
+    meta: ForwardMeta
+    tensor: Tensor | None
+
+
+@dataclass(frozen=True, slots=True)
+class _ForwardGroup:
+    meta: BatchForwardMeta
+    tensor: Tensor | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Release:
+    seq: str
+
+
+@dataclass(frozen=True, slots=True)
+class _ReleaseAll:
+    """The coordinator is gone: nobody will release its sequences."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Swap:
+    spec: StageSpec
+    runner: StageRunner
+    kv: StageKvManager
+    done: asyncio.Future[None]
+
+
+_Work = _Forward | _ForwardGroup | _Release | _ReleaseAll | _Swap
+_OutMeta = ForwardMeta | BatchForwardMeta | TokenMeta | BatchTokenMeta | GroupFailure
+#: a result for the sender task: kind, metadata, tensor
+_Output = tuple[MessageKind, _OutMeta, Any]
 
 
 class ProtocolViolation(Exception):
@@ -84,7 +141,7 @@ class StageWorker:
         transport: Transport,
         mlx: MlxThread,
         *,
-        extras: Callable[[], dict[str, Any]] | None = None,
+        extras: ExtrasSource | None = None,
         prepare_layers: PrepareLayers | None = None,
     ) -> None:
         self.spec = spec
@@ -96,8 +153,8 @@ class StageWorker:
         self.clock = ActivityClock(started=time.monotonic())
         self.latency = LatencyHistogram()
         self.trace = TraceBuffer(pid=f"stage-{spec.index}", enabled=False)
-        self._work: asyncio.Queue[_Item] = asyncio.Queue()
-        self._out: asyncio.Queue[tuple[MessageKind, dict[str, Any], Any]] = asyncio.Queue()
+        self._work: asyncio.Queue[_Work] = asyncio.Queue()
+        self._out: asyncio.Queue[_Output] = asyncio.Queue()
         self._downstream: SecureChannel | None = None
         self._coordinator: SecureChannel | None = None
         self._loops: list[asyncio.Task[None]] = []
@@ -105,7 +162,7 @@ class StageWorker:
         # Closed while draining (reload, shutdown): admits are refused, running sequences finish.
         self.admitting = True
         # What the agent adds to each status report (config generation, reload error, ...).
-        self._extras = extras or dict
+        self._extras = extras or StageExtras
         self._prepare_layers = prepare_layers
         self._staged: tuple[StageSpec, StageRunner, StageKvManager] | None = None
         self._side_tasks = TaskSet()
@@ -140,7 +197,7 @@ class StageWorker:
         """Serve new layers from now on. Queued after any earlier work, so nothing in flight
         runs half on the old layers and half on the new."""
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        await self._work.put(("swap", (spec, runner, kv, done)))
+        await self._work.put(_Swap(spec, runner, kv, done))
         await done
 
     async def rebind(self, transport: Transport, host: str, port: int) -> tuple[str, int]:
@@ -189,41 +246,42 @@ class StageWorker:
             if channel is self._coordinator:
                 # The coordinator is gone: nobody will release its sequences.
                 self._coordinator = None
-                await self._work.put(("release_all", None))
+                await self._work.put(_ReleaseAll())
 
     async def _dispatch(self, channel: SecureChannel, message: Message) -> None:
         if message.kind is MessageKind.ACTIVATION:
             if "group" in message.meta:
                 batch = BatchForwardMeta.model_validate(dict(message.meta))
                 self._arrived(batch.sent_at, message)
-                await self._work.put(("forward_group", (batch, message.tensor)))
+                await self._work.put(_ForwardGroup(batch, message.tensor))
             else:
                 meta = ForwardMeta.model_validate(dict(message.meta))
                 self._arrived(meta.sent_at, message)
-                await self._work.put(("forward", (meta, message.tensor)))
+                await self._work.put(_Forward(meta, message.tensor))
             return
         if message.kind is not MessageKind.CONTROL:
             raise ProtocolViolation(f"a stage does not accept {message.kind.name} messages")
+        # One parse: an unknown op or field is a ValidationError, counted by ``_serve``.
         command = parse_control(message.meta)
         if isinstance(command, Configure):
-            await self._configure(channel, command)
+            await _reply(channel, await self._configure(channel, command))
         elif isinstance(command, Admit):
-            await channel.send(MessageKind.REPLY, self._admit(command))
+            await _reply(channel, self._admit(command))
         elif isinstance(command, Release):
-            await self._work.put(("release", command.seq))
+            await self._work.put(_Release(command.seq))
         elif isinstance(command, Status):
-            await channel.send(MessageKind.REPLY, {"rid": command.rid, **self.status()})
+            await _reply(channel, self.status(command.rid))
         elif isinstance(command, Admission):
             self.admitting = command.open
             self.elastic_state = command.state
-            await channel.send(MessageKind.REPLY, {"rid": command.rid, "ok": True})
+            await _reply(channel, Ack(rid=command.rid))
         elif isinstance(command, Reassign):
             # Loading takes long; this channel keeps answering status meanwhile.
             self._side_tasks.spawn(self._reassign(channel, command), name="stage-reassign")
         elif isinstance(command, TraceDump):
             # Events can be many: they travel as a JSON byte tensor, not as metadata.
             payload = np.frombuffer(json.dumps(self.trace.take()).encode(), dtype=np.uint8)
-            await channel.send(MessageKind.REPLY, {"rid": command.rid, "events": True}, payload)
+            await _reply(channel, TraceReply(rid=command.rid), payload)
 
     def _arrived(self, sent_at: float | None, message: Message) -> None:
         nbytes = message.tensor.nbytes if message.tensor is not None else 0
@@ -231,24 +289,23 @@ class StageWorker:
             self.latency.observe(time.time() - sent_at)
         self.trace.instant("activation_recv", self.spec.index, bytes=nbytes, direction="recv")
 
-    async def _configure(self, channel: SecureChannel, command: Configure) -> None:
+    async def _configure(self, channel: SecureChannel, command: Configure) -> Ack:
         self._coordinator = channel
         self.trace.enabled = command.trace
-        reply: dict[str, Any] = {"rid": command.rid, "ok": True}
-        if command.next_host is not None and command.next_port is not None:
-            try:
-                if self._downstream is not None:
-                    await self._downstream.close()
-                self._downstream = await self.transport.connect(
-                    command.next_host, command.next_port, expected_peer=command.next_node
-                )
-            except Exception as exc:  # reported to the coordinator, which gives up cleanly
-                reply = {"rid": command.rid, "ok": False, "error": str(exc)}
-        else:
+        if command.next_host is None or command.next_port is None:
             self._downstream = channel
-        await channel.send(MessageKind.REPLY, reply)
+            return Ack(rid=command.rid)
+        try:
+            if self._downstream is not None:
+                await self._downstream.close()
+            self._downstream = await self.transport.connect(
+                command.next_host, command.next_port, expected_peer=command.next_node
+            )
+        except Exception as exc:  # reported to the coordinator, which gives up cleanly
+            return Ack(rid=command.rid, ok=False, error=clip(str(exc)))
+        return Ack(rid=command.rid)
 
-    def _admit(self, command: Admit) -> dict[str, Any]:
+    def _admit(self, command: Admit) -> AdmitReply:
         request = AdmissionRequest(command.seq, command.prompt_tokens, command.max_tokens)
         problem = self._closed_reason(command) or self.kv.dry_run(request)
         if problem is None and command.commit:
@@ -258,23 +315,16 @@ class StageWorker:
                 self.runner.set_sampling(
                     command.seq, command.temperature, command.top_p, command.seed
                 )
-        reply: dict[str, Any] = {"rid": command.rid, "ok": problem is None}
-        if problem is not None:
-            reply["diagnostic"] = {
-                "stage_index": problem.stage_index,
-                "reason": problem.reason.value,
-                "required_bytes": problem.required_bytes,
-                "used_memory_bytes": problem.used_memory_bytes,
-                "budget_bytes": problem.budget_bytes,
-                "active_sequences": problem.active_sequences,
-            }
-        return reply
+        if problem is None:
+            return AdmitReply(rid=command.rid, ok=True)
+        return AdmitReply(rid=command.rid, ok=False, diagnostic=AdmitRefusal.of(problem))
 
     async def _reassign(self, channel: SecureChannel, command: Reassign) -> None:
-        reply: dict[str, Any] = {"rid": command.rid, "ok": True}
+        reply = ReassignReply(rid=command.rid)
         try:
             if command.phase == "prepare":
-                reply.update(await self._prepare(command.plan))
+                load = await self._prepare(command.plan)
+                reply = ReassignReply(rid=command.rid, **load.model_dump())
             elif command.phase == "commit":
                 if self._staged is None:
                     raise ProtocolViolation("commit without a prepared plan")
@@ -290,11 +340,12 @@ class StageWorker:
                 self.elastic_state = "idle"
         except Exception as exc:  # reported to the coordinator, which aborts everywhere
             self._staged = None
-            reply = {"rid": command.rid, "ok": False, "error": str(exc) or type(exc).__name__}
+            error = clip(str(exc) or type(exc).__name__)
+            reply = ReassignReply(rid=command.rid, ok=False, error=error)
         with contextlib.suppress(ChannelClosedError):
-            await channel.send(MessageKind.REPLY, reply)
+            await _reply(channel, reply)
 
-    async def _prepare(self, plan: list[tuple[int, int]]) -> dict[str, Any]:
+    async def _prepare(self, plan: list[tuple[int, int]]) -> LayerLoad:
         if self._prepare_layers is None:
             raise ProtocolViolation("this stage cannot change its layers")
         if len(plan) != self.spec.num_stages:
@@ -304,9 +355,9 @@ class StageWorker:
         start, end = plan[self.spec.index]
         spec = StageSpec(self.spec.index, self.spec.num_stages, start, end)
         self.elastic_state = "resuming"
-        runner, kv, report = await self._prepare_layers(spec, self.runner)
+        runner, kv, load = await self._prepare_layers(spec, self.runner)
         self._staged = (spec, runner, kv)
-        return report
+        return load
 
     def _closed_reason(self, command: Admit) -> AdmissionDiagnostic | None:
         reason = None
@@ -327,55 +378,62 @@ class StageWorker:
             active_sequences=len(self.kv.reserved),
         )
 
-    def status(self) -> dict[str, Any]:
+    def status(self, rid: int = 0) -> StageReport:
+        """This stage's report (the reply to a status command), with the agent's extras."""
         elapsed = max(time.monotonic() - self.stats.started, 1e-9)
-        return {
-            "stage": self.spec.index,
-            "layers": [self.spec.start, self.spec.end],
-            "parameter_bytes": self.runner.stage.parameter_bytes,
-            "weights": str(self.runner.stage.weights),
-            "blas": str(blas_in_use()),
-            "kv_used_bytes": self.kv.used_bytes,
-            "kv_budget_bytes": self.kv.budget_bytes,
-            "active_sequences": len(self.kv.reserved),
-            "forwards": self.stats.forwards,
-            "busy_fraction": min(1.0, self.stats.busy_s / elapsed),
-            "protocol_errors": self.stats.protocol_errors,
-            "batched_passes": self.stats.batched_passes,
-            "batched_rows": self.stats.batched_rows,
-            **self.clock.snapshot(time.monotonic()),
-            "activation_latency": self.latency.to_dict(),
-            "wire": self.transport.stats.snapshot(),
-            "trace_dropped": self.trace.dropped,
-            "admission": "open" if self.admitting else "draining",
-            "elastic_state": self.elastic_state,
-            "now": time.time(),
-            **self._extras(),
-        }
+        clock = self.clock.snapshot(time.monotonic())
+        h = self.latency
+        return StageReport(
+            **self._extras().model_dump(),
+            rid=rid,
+            stage=self.spec.index,
+            layers=(self.spec.start, self.spec.end),
+            parameter_bytes=self.runner.stage.parameter_bytes,
+            weights=str(self.runner.stage.weights),
+            blas=clip(str(blas_in_use())),
+            kv_used_bytes=self.kv.used_bytes,
+            kv_budget_bytes=self.kv.budget_bytes,
+            active_sequences=len(self.kv.reserved),
+            forwards=self.stats.forwards,
+            busy_fraction=min(1.0, self.stats.busy_s / elapsed),
+            protocol_errors=self.stats.protocol_errors,
+            batched_passes=self.stats.batched_passes,
+            batched_rows=self.stats.batched_rows,
+            busy_s=clock["busy_s"],
+            active_s=clock["active_s"],
+            wall_s=clock["wall_s"],
+            activation_latency=LatencyReport(
+                counts=list(h.counts), sum=h.total, count=h.count, max=h.max
+            ),
+            wire=WireCounters.model_validate(self.transport.stats.snapshot()),
+            trace_dropped=self.trace.dropped,
+            admission="open" if self.admitting else "draining",
+            elastic_state=self.elastic_state,
+            now=time.time(),
+        )
 
     # -- compute and send ----------------------------------------------------------------------
 
     async def _compute_loop(self) -> None:
         while True:
-            op, arg = await self._work.get()
-            if op == "forward":
-                await self._forward(*arg)
-            elif op == "forward_group":
-                await self._forward_group(*arg)
-            elif op == "release":
-                self.kv.release(arg)
+            item = await self._work.get()
+            if isinstance(item, _Forward):
+                await self._forward(item.meta, item.tensor)
+            elif isinstance(item, _ForwardGroup):
+                await self._forward_group(item.meta, item.tensor)
+            elif isinstance(item, _Release):
+                self.kv.release(item.seq)
                 self.clock.set_active(len(self.kv.reserved), time.monotonic())
-                await self.mlx.run(functools.partial(self.runner.release, str(arg)))
-            elif op == "release_all":
+                await self.mlx.run(functools.partial(self.runner.release, item.seq))
+            elif isinstance(item, _ReleaseAll):
                 for held in list(self.kv.reserved):
                     self.kv.release(held)
                 self.clock.set_active(0, time.monotonic())
                 await self.mlx.run(self.runner.release_all)
-            elif op == "swap":
-                spec, runner, kv, done = arg
-                self.spec, self.runner, self.kv = spec, runner, kv
-                self.clock.set_active(len(kv.reserved), time.monotonic())
-                done.set_result(None)
+            elif isinstance(item, _Swap):
+                self.spec, self.runner, self.kv = item.spec, item.runner, item.kv
+                self.clock.set_active(len(item.kv.reserved), time.monotonic())
+                item.done.set_result(None)
 
     def _computed(self, started: float, start_us: float, rows: int) -> None:
         elapsed = time.monotonic() - started
@@ -400,10 +458,10 @@ class StageWorker:
         if self.spec.has_lm_head:
             if sample:
                 token = np.array([result.token], dtype=np.int32)
-                out_meta = {"seq": meta.seq, "step": meta.step, "logprob": result.logprob}
-                await self._out.put((MessageKind.TOKENS, out_meta, token))
+                out = TokenMeta(seq=meta.seq, step=meta.step, logprob=result.logprob)
+                await self._out.put((MessageKind.TOKENS, out, token))
             return
-        await self._out.put((MessageKind.ACTIVATION, meta.model_dump(exclude={"sent_at"}), result))
+        await self._out.put((MessageKind.ACTIVATION, meta, result))
 
     async def _forward_group(self, meta: BatchForwardMeta, tensor: Any) -> None:
         started = time.monotonic()
@@ -426,7 +484,7 @@ class StageWorker:
             log.error("stage %d: micro-batch %s failed: %s", self.spec.index, meta.group, exc)
             for seq in meta.seqs:
                 await self.mlx.run(functools.partial(self.runner.release, seq))
-            error = {"group": meta.group, "seqs": meta.seqs, "message": str(exc)}
+            error = GroupFailure(group=meta.group, seqs=meta.seqs, message=clip(str(exc), 1000))
             await self._out.put((MessageKind.ERROR, error, None))
             return
         self._computed(started, start_us, rows=len(meta.seqs))
@@ -434,15 +492,15 @@ class StageWorker:
         self.stats.batched_rows += len(meta.seqs)
         if last:
             tokens = np.array([s.token for s in result], dtype=np.int32)
-            out_meta = {
-                "group": meta.group,
-                "seqs": meta.seqs,
-                "step": meta.step,
-                "logprobs": [s.logprob for s in result] if meta.logprobs else None,
-            }
-            await self._out.put((MessageKind.TOKENS, out_meta, tokens))
+            out = BatchTokenMeta(
+                group=meta.group,
+                seqs=meta.seqs,
+                step=meta.step,
+                logprobs=[s.logprob for s in result] if meta.logprobs else None,
+            )
+            await self._out.put((MessageKind.TOKENS, out, tokens))
             return
-        await self._out.put((MessageKind.ACTIVATION, meta.model_dump(exclude={"sent_at"}), result))
+        await self._out.put((MessageKind.ACTIVATION, meta, result))
 
     async def _send_loop(self) -> None:
         while True:
@@ -453,12 +511,17 @@ class StageWorker:
                 log.warning("stage %d: no %s channel; dropping output", self.spec.index, kind.name)
                 continue
             if kind is MessageKind.ACTIVATION:
-                meta = {**meta, "sent_at": time.time()}
+                meta = meta.model_copy(update={"sent_at": time.time()})
                 nbytes = tensor.nbytes if tensor is not None else 0
                 self.trace.instant(
                     "activation_send", self.spec.index, bytes=nbytes, direction="send"
                 )
             try:
-                await target.send(kind, meta, tensor)
+                await target.send(kind, meta.model_dump(), tensor)
             except ChannelClosedError as exc:
                 log.error("stage %d: sending %s failed: %s", self.spec.index, kind.name, exc)
+
+
+async def _reply(channel: SecureChannel, reply: StrictModel, payload: Any = None) -> None:
+    """A REPLY whose metadata is exactly ``reply``'s fields."""
+    await channel.send(MessageKind.REPLY, reply.model_dump(mode="json"), payload)

@@ -17,18 +17,22 @@ import os
 import socket
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from mlxppd import __version__
 from mlxppd.core.assignment import (
+    MAX_MEMORY_BYTES,
     Abort,
     Activate,
+    AssignmentReply,
     Commit,
     Hello,
+    HelloReply,
     ModelIdentity,
     Offer,
+    RefusalReason,
     check_offer,
     parse_assignment,
 )
@@ -42,11 +46,13 @@ from mlxppd.core.cluster_init import (
     topology_summary,
 )
 from mlxppd.core.cluster_render import render_cluster_toml, split_host_port
+from mlxppd.core.control_messages import clip
 from mlxppd.core.errors import ConfigurationError, PeerRefusedError, TemporaryError
 from mlxppd.core.model_profile import profile_from_config, read_model_config
 from mlxppd.engine.model_files import resolve_model_dir
 from mlxppd.engine.model_identity import model_identity
 from mlxppd.runtime.atomic_write import write_text_atomic
+from mlxppd.runtime.control_client import BadReplyError, ControlClient
 from mlxppd.runtime.serve import NodeOptions, write_ready
 from mlxppd.wire.channel import SecureChannel
 from mlxppd.wire.codec import MessageKind
@@ -94,31 +100,33 @@ def _secret(options: NodeOptions) -> ClusterSecret:
 
 
 def host_memory_bytes() -> int | None:
-    """Physical memory of this host (what a peer reports for planning)."""
+    """Physical memory of this host (what a peer reports for planning); None if unknown."""
     try:
-        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+        memory = int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
         return None
+    return memory if 0 < memory < MAX_MEMORY_BYTES else None
 
 
 # -- the coordinator -------------------------------------------------------------------------
 
 
+@dataclass
 class _Peer:
-    """One peer during the assignment: its channel and a request/reply helper."""
+    """One peer during the assignment: its address and its channel's request/reply helper."""
 
-    def __init__(self, address: str, channel: SecureChannel, timeout_s: float):
-        self.address, self.channel, self.timeout_s = address, channel, timeout_s
-        self._rid = 0
+    address: str
+    control: ControlClient
+    reader: asyncio.Task[None] | None = field(default=None)
 
-    async def ask(self, command: dict[str, Any]) -> dict[str, Any]:
-        self._rid += 1
-        await self.channel.send(MessageKind.CONTROL, {**command, "rid": self._rid})
-        async with asyncio.timeout(self.timeout_s):
-            while True:
-                message = await self.channel.recv()
-                if message.kind is MessageKind.REPLY and message.meta.get("rid") == self._rid:
-                    return dict(message.meta)
+    @classmethod
+    def start(cls, address: str, channel: SecureChannel, timeout_s: float) -> _Peer:
+        control = ControlClient(channel, timeout_s)
+        return cls(address, control, spawn(control.read_replies(), name=f"peer-{address}"))
+
+    async def close(self) -> None:
+        await self.control.channel.close()
+        await stop_tasks(self.reader, cancel=False, ignore_errors=True)
 
 
 async def _connect(
@@ -193,13 +201,14 @@ async def coordinate(options: NodeOptions, z: ZeroConfig, out: Any = None) -> No
                     ) from None
                 infos.append(PeerInfo(address, None, reachable=False))
                 continue
-            peer = _Peer(address, channel, z.reply_timeout_s)
+            peer = _Peer.start(address, channel, z.reply_timeout_s)
             peers.append(peer)
-            hello = await peer.ask(Hello(rid=0).model_dump())
-            memory = hello.get("memory_bytes")
-            # What a peer reports is bounded before it is used (1 PiB is beyond any host).
-            valid = isinstance(memory, int) and 0 < memory < 1 << 50
-            infos.append(PeerInfo(address, memory if valid else None))
+            try:
+                # What a peer reports is bounded (HelloReply) before it is used.
+                hello = await peer.control.ask(Hello(), HelloReply)
+            except BadReplyError as exc:
+                raise PeerRefusedError(f"peer {address}: {exc}") from None
+            infos.append(PeerInfo(address, hello.memory_bytes))
         if z.dry_run:
             return _dry_run(options, z, control, config_out, infos, peer_notes(infos), profile, out)
         plan = plan_cluster(
@@ -213,7 +222,7 @@ async def coordinate(options: NodeOptions, z: ZeroConfig, out: Any = None) -> No
         return replace(options, cluster_file=config_out, node_id=COORDINATOR_ID)
     finally:
         for peer in peers:
-            await peer.channel.close()
+            await peer.close()
 
 
 def _dry_run(
@@ -275,27 +284,27 @@ async def _assign(
                 rid=0, node_id=node.id, stage=node.stage, layers=(r.start, r.end),
                 model=identity, version=__version__, cluster=plan.cluster.name, topology=text,
             )  # fmt: skip
-            verdict = await peer.ask(offer.model_dump())
-            if not verdict.get("ok"):
+            verdict = await peer.control.ask(offer, AssignmentReply)
+            if not verdict.ok:
                 raise PeerRefusedError(
                     f"peer {peer.address} refused stage {node.stage} "
-                    f"({verdict.get('reason')}): {verdict.get('message')}; nothing was started"
+                    f"({verdict.reason}): {verdict.message}; nothing was started"
                 )
             accepted.append(peer)
         for _, peer in ordered:
-            reply = await peer.ask(Commit(rid=0).model_dump())
-            if not reply.get("ok"):
-                raise PeerRefusedError(f"peer {peer.address} did not commit: {reply}")
+            reply = await peer.control.ask(Commit(), AssignmentReply)
+            if not reply.ok:
+                raise PeerRefusedError(f"peer {peer.address} did not commit: {reply.message}")
         log.info("every peer committed; activating")
         for _, peer in ordered:
-            reply = await peer.ask(Activate(rid=0).model_dump())
-            if not reply.get("ok"):
-                raise PeerRefusedError(f"peer {peer.address} did not activate: {reply}")
+            reply = await peer.control.ask(Activate(), AssignmentReply)
+            if not reply.ok:
+                raise PeerRefusedError(f"peer {peer.address} did not activate: {reply.message}")
     except BaseException as exc:
         for peer in accepted:
             with contextlib.suppress(Exception):
-                await peer.ask(Abort(rid=0, reason=str(exc)[:1000]).model_dump())
-        if isinstance(exc, TimeoutError | ChannelClosedError | FrameError):
+                await peer.control.ask(Abort(reason=clip(str(exc), 1000) or ""), AssignmentReply)
+        if isinstance(exc, TimeoutError | ChannelClosedError | FrameError | BadReplyError):
             raise TemporaryError(
                 f"the assignment did not complete ({exc or 'timeout'}); nothing was started"
             ) from None
@@ -347,7 +356,7 @@ class PeerServer:
                 if message.kind is not MessageKind.CONTROL:
                     break
                 reply = self._answer(message.meta)
-                await channel.send(MessageKind.REPLY, reply)
+                await channel.send(MessageKind.REPLY, reply.model_dump(mode="json"))
         except (ChannelClosedError, FrameError):
             pass
         finally:
@@ -357,41 +366,40 @@ class PeerServer:
                 log.info("the coordinator left before activating; waiting for a new one")
                 self._pending = None
 
-    def _answer(self, meta: Any) -> dict[str, Any]:
+    def _answer(self, meta: Any) -> AssignmentReply | HelloReply:
         try:
             command = parse_assignment(meta)
         except ValueError as exc:
-            return {"rid": int(meta.get("rid", 0)), "ok": False, "reason": "invalid_offer",
-                    "message": str(exc)[:500]}  # fmt: skip
+            rid = meta.get("rid")
+            return _refused(rid if type(rid) is int and 0 <= rid < 1 << 63 else 0, str(exc))
         rid = command.rid
         if isinstance(command, Hello):
-            return {
-                "rid": rid, "ok": True, "version": __version__, "cluster": self.z.cluster_name,
-                "model": self.identity.model_dump(), "memory_bytes": host_memory_bytes(),
-                "address": self.address,
-            }  # fmt: skip
+            return HelloReply(
+                rid=rid, version=__version__, cluster=self.z.cluster_name, model=self.identity,
+                memory_bytes=host_memory_bytes(), address=self.address,
+            )  # fmt: skip
         if isinstance(command, Offer):
-            return {"rid": rid, **self._offer(command)}
+            return self._offer(command)
         if isinstance(command, Abort):
             log.warning("the coordinator aborted the assignment: %s", command.reason)
             self._pending = None
-            return {"rid": rid, "ok": True}
+            return AssignmentReply(rid=rid, ok=True)
         if self._pending is None:
-            return {"rid": rid, "ok": False, "reason": "invalid_offer", "message": "no offer"}
+            return _refused(rid, "no offer")
         if isinstance(command, Commit):
             self._pending.committed = True
-            return {"rid": rid, "ok": True}
+            return AssignmentReply(rid=rid, ok=True)
         assert isinstance(command, Activate)
         if not self._pending.committed:
-            return {"rid": rid, "ok": False, "reason": "invalid_offer", "message": "not committed"}
+            return _refused(rid, "not committed")
         offer = self._pending.offer
         path = self.z.config_out or Path(".mlxpp") / f"cluster-{offer.node_id}.toml"
         _write(path, offer.topology)
         if not self.activated.done():
             self.activated.set_result((path, offer.node_id))
-        return {"rid": rid, "ok": True}
+        return AssignmentReply(rid=rid, ok=True)
 
-    def _offer(self, offer: Offer) -> dict[str, Any]:
+    def _offer(self, offer: Offer) -> AssignmentReply:
         refusal = check_offer(
             offer, model=self.identity, version=__version__, cluster=self.z.cluster_name,
             assigned=self._pending is not None or self.activated.done(),
@@ -406,16 +414,22 @@ class PeerServer:
                 if node.port != parse_address(self.address)[1]:
                     raise ConfigurationError(f"{node.address} is not this peer ({self.address})")
             except ConfigurationError as exc:
-                return {"ok": False, "reason": "invalid_offer", "message": str(exc)}
+                return _refused(offer.rid, str(exc))
         if refusal is not None:
             reason, message = refusal
             log.error("refusing stage %d: %s", offer.stage, message)
-            return {"ok": False, "reason": str(reason), "message": message}
+            return _refused(offer.rid, message, reason)
         assert cluster is not None
         self._pending = _Assignment(offer, cluster)
         log.info("accepted stage %d (layers %d-%d)", offer.stage, offer.layers[0],
                  offer.layers[1] - 1)  # fmt: skip
-        return {"ok": True}
+        return AssignmentReply(rid=offer.rid, ok=True)
+
+
+def _refused(
+    rid: int, message: str, reason: RefusalReason = RefusalReason.INVALID_OFFER
+) -> AssignmentReply:
+    return AssignmentReply(rid=rid, ok=False, reason=reason, message=clip(message, 1000))
 
 
 async def await_assignment(options: NodeOptions, z: ZeroConfig) -> NodeOptions:

@@ -6,19 +6,17 @@ The agent (runtime) cannot import this layer, so the CLI hands ``start_agent_htt
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
 from mlxppd.core.agent_plan import CoordinatorTarget
-from mlxppd.http.admin_api import AdminApi
+from mlxppd.http.admin_api import signed_admin_api
 from mlxppd.http.openai_api import create_app
 from mlxppd.runtime.agent import Agent
 from mlxppd.runtime.agent_status import agent_admin
 from mlxppd.runtime.gated_backend import GatedBackend
-from mlxppd.wire.admin_auth import AdminVerifier, admin_key
 
 log = logging.getLogger("mlxppd.http")
 
@@ -38,17 +36,8 @@ async def start_agent_http(
     context = agent.context
     assert context is not None
     metrics = agent.metrics
-
-    def count_auth_failure(reason: str) -> None:
-        if metrics is not None:
-            metrics.admin_auth_failures.labels(reason=reason).inc()
-
-    admin = AdminApi(
-        agent_admin(agent),
-        # The key is derived afresh from the secret in force; the raw secret stays here.
-        AdminVerifier(admin_key(context.secret.key_bytes()), clock=time.time),
-        count_auth_failure,
-    )
+    # The key is derived afresh from the secret in force.
+    admin = signed_admin_api(agent_admin(agent), context.secret.key_bytes(), metrics)
     app = create_app(
         backend,
         api_key=target.api_key,

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from mlxppd.core.layer_ranges import LayerRange
 from mlxppd.core.model_profile import profile_from_config, read_model_config
 from mlxppd.engine.families import family_for
 from mlxppd.engine.model_files import resolve_model_dir
-from mlxppd.http.admin_api import AdminApi
+from mlxppd.http.admin_api import AdminApi, signed_admin_api
 from mlxppd.http.openai_api import create_app, create_metrics_app
 from mlxppd.runtime import event_loop
 from mlxppd.runtime.agent_status import CoordinatorAdmin, CoordinatorView
@@ -40,7 +39,6 @@ from mlxppd.runtime.serve import (
     stop_event,
     write_ready,
 )
-from mlxppd.wire.admin_auth import AdminVerifier, admin_key
 from mlxppd.wire.tasks import spawn, stop_tasks
 
 log = logging.getLogger("mlxppd.serve")
@@ -127,17 +125,7 @@ async def run_coordinator_node(options: NodeOptions) -> int:
         driver=lambda: driver,
         last_error=lambda: coordinator.health().detail,
     )
-    metrics = coordinator.metrics
-
-    def count_auth_failure(reason: str) -> None:
-        if metrics is not None:
-            metrics.admin_auth_failures.labels(reason=reason).inc()
-
-    admin = AdminApi(
-        CoordinatorAdmin(view),
-        AdminVerifier(admin_key(secret.key_bytes()), clock=time.time),
-        count_auth_failure,
-    )
+    admin = signed_admin_api(CoordinatorAdmin(view), secret.key_bytes(), coordinator.metrics)
     if policy.enabled:
         log.info(
             "elastic repartitioning on: `mlxppctl repartition --url http://%s "
