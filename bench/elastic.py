@@ -88,7 +88,7 @@ def local_loads(model_dir: Path, before: str, after: str) -> list[dict[str, floa
     """In this process, per stage: the new range loaded from nothing (the reference engine's
     way) and loaded reusing the old range's tensors (ours), tensors and seconds for each."""
     from mlxppd.core.layer_ranges import parse_pp_layers
-    from mlxppd.core.model_profile import read_model_config
+    from mlxppd.core.profile.model import read_model_config
     from mlxppd.core.stages import StageSpec
     from mlxppd.engine.stage import load_stage
 

@@ -33,7 +33,7 @@ from prompts import CHAT_PROMPT  # noqa: E402
 
 from mlxppd.core.cpu_weights import CpuWeights  # noqa: E402
 from mlxppd.core.layer_ranges import even_split  # noqa: E402
-from mlxppd.core.model_profile import read_model_config  # noqa: E402
+from mlxppd.core.profile.model import read_model_config  # noqa: E402
 from mlxppd.core.stages import stage_specs  # noqa: E402
 from mlxppd.engine.model_files import resolve_model_dir  # noqa: E402
 from mlxppd.engine.pipeline import InProcessPipeline  # noqa: E402

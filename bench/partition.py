@@ -20,8 +20,8 @@ from collections.abc import Callable
 from typing import Any
 
 from mlxppd.core.layer_ranges import AdjacencyGroup, LayerRange, even_split
-from mlxppd.core.model_profile import ModelProfile, profile_from_config
-from mlxppd.core.partition import balance_layers, format_bytes
+from mlxppd.core.partition.plan import balance_layers, format_bytes
+from mlxppd.core.profile.model import ModelProfile, profile_from_config
 
 GOAL_MS = 100.0
 

@@ -21,8 +21,8 @@ Method. One receiver process per transport listens on 127.0.0.1; this process se
   receives with blocking sockets (the cheapest way Python moves bytes), ``raw-asyncio`` on an
   event loop with ``recv_into`` a preallocated buffer (the cheapest way asyncio does, and the
   I/O model mlxppd runs on). The ratio to ``raw-asyncio`` is what the secure protocol costs.
-* Every event loop here is the one mlxppd runs on (``mlxppd.runtime.event_loop``: uvloop where
-  installed; ``MLXPP_EVENT_LOOP=asyncio`` measures asyncio's own loop instead).
+* Every event loop here is the one mlxppd runs on (``mlxppd.runtime.system.event_loop``:
+  uvloop where installed; ``MLXPP_EVENT_LOOP=asyncio`` measures asyncio's own loop instead).
 * Transports take turns in blocks of ``--block`` (25) messages, so a noisy neighbour slows
   every row alike. A block, not a single message: each receiver is its own process on the same
   CPU, and switching transports after every message lets four interpreters evict each other's
@@ -52,7 +52,7 @@ from typing import cast
 
 import numpy as np
 
-from mlxppd.runtime import event_loop
+from mlxppd.runtime.system import event_loop
 from mlxppd.wire.backends import create_transport
 from mlxppd.wire.channel import SecureChannel
 from mlxppd.wire.codec import MessageKind

@@ -18,8 +18,8 @@ def _generators() -> dict[Path, Callable[[], str]]:
     # Imported here so that running the script from a checkout works without installing it.
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    from mlxppd.core.agent_settings import host_json_schema_text
-    from mlxppd.core.cluster_config import cluster_json_schema_text
+    from mlxppd.core.config.cluster import cluster_json_schema_text
+    from mlxppd.core.config.host import host_json_schema_text
 
     return {
         ROOT / "schemas" / "cluster.schema.json": cluster_json_schema_text,

@@ -18,8 +18,8 @@ from aiohttp import web
 
 from mlxppd.core.layer_ranges import even_split
 from mlxppd.http.openai_api import create_app
-from mlxppd.runtime.inprocess_backend import InProcessBackend
-from mlxppd.runtime.mlx_thread import MlxThread
+from mlxppd.runtime.pipeline.inprocess_backend import InProcessBackend
+from mlxppd.runtime.system.mlx_thread import MlxThread
 
 T = TypeVar("T")
 NUM_LAYERS = 30  # the embedded SmolLM2-135M

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxppd.core.cpu_weights import CpuWeights
-from mlxppd.core.model_profile import read_model_config
+from mlxppd.core.profile.model import read_model_config
 from mlxppd.engine.cpu_weights import resolve_for_process
 
 

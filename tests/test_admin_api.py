@@ -17,7 +17,7 @@ import pytest
 
 from mlxppd.http.admin_api import AdminApi
 from mlxppd.http.openai_api import create_app
-from mlxppd.runtime.backend import BackendUnavailable, Health, SamplingParams, TokenEvent
+from mlxppd.runtime.pipeline.backend import BackendUnavailable, Health, SamplingParams, TokenEvent
 from mlxppd.wire.admin_auth import AdminVerifier, admin_key, sign_request
 from tests.http_support import LoopThread, request
 

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from mlxppd.core.agent_plan import (
+from mlxppd.core.agent.plan import (
     CoordinatorTarget,
     DesiredState,
     ObservedState,
@@ -25,7 +25,7 @@ from mlxppd.core.agent_plan import (
     UpdatePolicy,
     plan,
 )
-from mlxppd.core.cluster_config import ElasticPolicy
+from mlxppd.core.config.cluster import ElasticPolicy
 from mlxppd.core.layer_ranges import LayerRange
 
 POLICY = ElasticPolicy()

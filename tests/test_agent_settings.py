@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from mlxppd.core.agent_desired import config_generation, desired_state, match_node
-from mlxppd.core.agent_settings import (
+from mlxppd.core.agent.desired import config_generation, desired_state, match_node
+from mlxppd.core.config.cluster import parse_cluster_config
+from mlxppd.core.config.host import (
     DEFAULT_CONFIG_DIR,
     config_dir_from,
     host_json_schema_text,
     load_host_settings,
 )
-from mlxppd.core.cluster_config import parse_cluster_config
 from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.layer_ranges import LayerRange
 

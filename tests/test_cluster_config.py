@@ -1,4 +1,4 @@
-"""The cluster TOML (mlxppd.core.cluster_config): what it accepts, refuses, and how it says so.
+"""The cluster TOML (mlxppd.core.config.cluster): what it accepts, refuses, and how it says so.
 
 Every refusal is checked through a real file, so each test also pins the error's shape:
 ``<file>: <key path>: <what is wrong>; <the fix>``.
@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from mlxppd.core.cluster_config import (
+from mlxppd.core.config.cluster import (
     ClusterConfig,
     ClusterSection,
     ElasticPolicy,
@@ -25,9 +25,8 @@ from mlxppd.core.cluster_config import (
     load_cluster_config,
     parse_address,
     parse_cluster_config,
-    render_cluster_toml,
 )
-from mlxppd.core.cluster_render import CLUSTER_TOML_HEADER
+from mlxppd.core.config.render import CLUSTER_TOML_HEADER, render_cluster_toml
 from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.layer_ranges import LayerRange
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from mlxppd.core.cluster_health import overall_health
+from mlxppd.core.agent.health import overall_health
 
 MiB = 1024 * 1024
 

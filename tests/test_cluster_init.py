@@ -1,4 +1,4 @@
-"""Zero-config planning (mlxppd.core.cluster_init): peers in, a deterministic cluster TOML out.
+"""Zero-config planning (mlxppd.core.zeroconf.plan): peers in, a deterministic cluster TOML out.
 
 The spec's "Zero-Config Startup", "Dry run and operator errors" and "Determinism contract":
 the same peers in any order give the same bytes, the header carries no host, pid or clock,
@@ -16,8 +16,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlxppd.core.cluster_config import ClusterConfig, NodeRole, parse_cluster_config
-from mlxppd.core.cluster_init import (
+from mlxppd.core.config.cluster import ClusterConfig, NodeRole, parse_cluster_config
+from mlxppd.core.config.render import CLUSTER_TOML_HEADER, render_cluster_toml
+from mlxppd.core.errors import ConfigurationError
+from mlxppd.core.profile.model import ModelProfile, profile_from_config
+from mlxppd.core.zeroconf.plan import (
     PeerInfo,
     dry_run_problems,
     peer_notes,
@@ -25,9 +28,6 @@ from mlxppd.core.cluster_init import (
     sort_peers,
     topology_summary,
 )
-from mlxppd.core.cluster_render import CLUSTER_TOML_HEADER, render_cluster_toml
-from mlxppd.core.errors import ConfigurationError
-from mlxppd.core.model_profile import ModelProfile, profile_from_config
 
 # The embedded model's shape (SmolLM2-135M): 30 blocks, tied embeddings.
 SMOL: dict[str, Any] = {

@@ -55,6 +55,6 @@ def constructions(name: str, package: Path = PACKAGE) -> list[str]:
 
 def test_one_function_starts_a_stage_and_one_a_coordinator() -> None:
     """serve --distributed-config (so the local cluster and a zero-config peer) and the agent
-    all start stages and coordinators through mlxppd/runtime/node_start.py."""
-    assert constructions("StageWorker") == ["mlxppd/runtime/node_start.py"]
-    assert constructions("Coordinator") == ["mlxppd/runtime/node_start.py"]
+    all start stages and coordinators through mlxppd/runtime/pipeline/node_start.py."""
+    assert constructions("StageWorker") == ["mlxppd/runtime/pipeline/node_start.py"]
+    assert constructions("Coordinator") == ["mlxppd/runtime/pipeline/node_start.py"]

@@ -10,7 +10,8 @@ from typing import Any, cast
 import pytest
 from pydantic import ValidationError
 
-from mlxppd.core.control_messages import (
+from mlxppd.core.kv_admission import AdmissionDiagnostic, RejectReason, StageKvManager
+from mlxppd.core.protocol.control import (
     Ack,
     Admission,
     Admit,
@@ -32,11 +33,10 @@ from mlxppd.core.control_messages import (
     parse_trace_events,
     text_bytes,
 )
-from mlxppd.core.kv_admission import AdmissionDiagnostic, RejectReason, StageKvManager
 from mlxppd.core.stages import StageSpec
-from mlxppd.runtime.control_client import BadReplyError, ControlClient
-from mlxppd.runtime.mlx_thread import MlxThread
-from mlxppd.runtime.stage_worker import StageWorker
+from mlxppd.runtime.pipeline.control_client import BadReplyError, ControlClient
+from mlxppd.runtime.pipeline.stage_worker import StageWorker
+from mlxppd.runtime.system.mlx_thread import MlxThread
 from mlxppd.wire.backends import create_transport
 from mlxppd.wire.channel import SecureChannel
 from mlxppd.wire.codec import MessageKind, encode_parts

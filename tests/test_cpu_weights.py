@@ -12,7 +12,7 @@ import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 
-from mlxppd.core.agent_plan import ReloadStage, SetGeneration, plan
+from mlxppd.core.agent.plan import ReloadStage, SetGeneration, plan
 from mlxppd.core.cpu_weights import (
     ComputeHost,
     CpuWeights,
@@ -22,7 +22,7 @@ from mlxppd.core.cpu_weights import (
 )
 from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.layer_ranges import LayerRange
-from mlxppd.core.model_profile import profile_from_config, read_model_config
+from mlxppd.core.profile.model import profile_from_config, read_model_config
 from mlxppd.core.stages import StageSpec
 from mlxppd.engine.stage import load_stage
 from tests.test_agent_plan import STAGE, running, stage_node

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from mlxppd.core.agent_desired import config_generation
+from mlxppd.core.agent.desired import config_generation
 from mlxppd.core.cpu_weights import CpuWeights
 from tests.agent_support import (
     VENV_BIN,

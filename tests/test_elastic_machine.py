@@ -6,8 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from mlxppd.core.cluster_config import ElasticPolicy
-from mlxppd.core.elastic import (
+from mlxppd.core.agent.elastic import (
     ElasticMachine,
     ElasticState,
     Outcome,
@@ -20,6 +19,7 @@ from mlxppd.core.elastic import (
     pressured_stage,
     resumed,
 )
+from mlxppd.core.config.cluster import ElasticPolicy
 from mlxppd.core.layer_ranges import LayerRange
 
 OLD = (LayerRange(0, 15), LayerRange(15, 30))

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from mlxppd.core.errors import ConfigurationError
-from mlxppd.runtime import event_loop
+from mlxppd.runtime.system import event_loop
 
 
 async def loop_module() -> str:

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from mlxppd.http.completion import StopMatcher
-from mlxppd.runtime.backend import BackendUnavailable, SamplingParams, TokenEvent
+from mlxppd.runtime.pipeline.backend import BackendUnavailable, SamplingParams, TokenEvent
 from tests.http_support import LiveServer, open_stream, post, request, sse_events, stream
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""ModelProfile from config.json alone (mlxppd.core.model_profile): what each block weighs.
+"""ModelProfile from config.json alone (mlxppd.core.profile.model): what each block weighs.
 
 Exactness against the tensors mlx-lm really builds is in test_model_profile_accuracy.py; these
 tests pin down the family rules (which blocks are MoE, Mamba, KV-shared), the two ends of the
@@ -15,7 +15,7 @@ import pytest
 
 from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.layer_ranges import AdjacencyGroup, LayerRange
-from mlxppd.core.model_profile import (
+from mlxppd.core.profile.model import (
     profile_from_config,
     profile_tensors,
     profiled_model_types,

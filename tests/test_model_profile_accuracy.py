@@ -12,8 +12,8 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from mlxppd.core.model_profile import profile_from_config, profile_tensors, read_model_config
-from mlxppd.core.partition import PartitionPlan, balance_layers
+from mlxppd.core.partition.plan import PartitionPlan, balance_layers
+from mlxppd.core.profile.model import profile_from_config, profile_tensors, read_model_config
 from mlxppd.core.stages import stage_specs
 from mlxppd.engine.stage import load_stage
 from tests.test_model_profile_cases import CASES, built_tensors, layer_of

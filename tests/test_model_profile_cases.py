@@ -531,7 +531,7 @@ def layer_of(name: str) -> int | None:
 
 
 def test_every_profiled_model_type_has_a_tiny_case() -> None:
-    from mlxppd.core.model_profile import profiled_model_types
+    from mlxppd.core.profile.model import profiled_model_types
 
     covered = {config["model_type"] for config, _ in CASES.values()}
     # kimi_k2 is mlx-lm's alias of deepseek_v3, priced by the same layout

@@ -1,4 +1,4 @@
-"""The layer partitioner (mlxppd.core.partition): optimal, budget-aware, adjacency-aware."""
+"""The layer partitioner (mlxppd.core.partition.plan): optimal, budget-aware, adjacency-aware."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ from hypothesis import strategies as st
 
 from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.layer_ranges import AdjacencyGroup, LayerRange
-from mlxppd.core.model_profile import ModelProfile, profile_from_config
-from mlxppd.core.partition import (
+from mlxppd.core.partition.plan import (
     balance_layers,
     format_bytes,
     parse_byte_size,
@@ -21,6 +20,7 @@ from mlxppd.core.partition import (
     plan_from_pp_layers,
     plan_layers,
 )
+from mlxppd.core.profile.model import ModelProfile, profile_from_config
 
 GiB = 2**30
 

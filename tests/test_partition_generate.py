@@ -12,8 +12,8 @@ import pytest
 from mlxppd.core.cpu_weights import CpuWeights
 from mlxppd.core.generate_settings import GenerateSettings
 from mlxppd.core.layer_ranges import LayerRange, format_pp_layers
-from mlxppd.core.model_profile import profile_from_config, read_model_config
-from mlxppd.core.partition import balance_layers
+from mlxppd.core.partition.plan import balance_layers
+from mlxppd.core.profile.model import profile_from_config, read_model_config
 from mlxppd.runtime.generate import plan_stages
 from tests.reference_support import served_weights
 from tests.test_model_profile_cases import CASES

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from mlxppd.core.layer_ranges import AdjacencyGroup, LayerRange
-from mlxppd.core.partition import balance_layers
-from mlxppd.core.partition_quality import PartitionQualityReport, StageQuality, quality_report
+from mlxppd.core.partition.plan import balance_layers
+from mlxppd.core.partition.quality import PartitionQualityReport, StageQuality, quality_report
 from tests.test_partition import synthetic
 
 SPEC_EXAMPLE = PartitionQualityReport(

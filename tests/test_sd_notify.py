@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from mlxppd.runtime.sd_notify import SYSTEMD_PYTHON, SdNotifier, watchdog_loop
+from mlxppd.runtime.system.sd_notify import SYSTEMD_PYTHON, SdNotifier, watchdog_loop
 
 PID = 4242
 # Generous: only a notifier that never sends (or never stops) runs into it.
@@ -234,7 +234,7 @@ def test_a_vanished_socket_never_raises_and_warns_once(
     notifier = backend.notifier(receiver, WATCHDOG_USEC="2000000")
     receiver.close()
     os.unlink(short_dir / "notify")
-    with caplog.at_level(logging.DEBUG, logger="mlxppd.runtime.sd_notify"):
+    with caplog.at_level(logging.DEBUG, logger="mlxppd.runtime.system.sd_notify"):
         notifier.ready("up")
         notifier.watchdog()
         notifier.watchdog()

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from mlxppd.runtime.service_logging import (
+from mlxppd.runtime.system.service_logging import (
     JournaldHandler,
     JournalFieldsFilter,
     configure_logging,
@@ -81,7 +81,9 @@ def test_journal_stream_without_systemd_python_drops_the_timestamp_and_says_so()
     assert destination == "stderr"
     logging.getLogger("mlxppd.agent").info("serving")
     lines = stream.getvalue().splitlines()
-    assert lines[0].startswith("WARNING mlxppd.runtime.service_logging: systemd-python is not")
+    assert lines[0].startswith(
+        "WARNING mlxppd.runtime.system.service_logging: systemd-python is not"
+    )
     assert "mlxpp[systemd]" in lines[0]
     assert lines[1] == "INFO mlxppd.agent: serving"
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from mlxppd.core.model_profile import read_model_config
+from mlxppd.core.profile.model import read_model_config
 from mlxppd.core.stages import StageSpec
 from mlxppd.engine.stage import load_stage
 

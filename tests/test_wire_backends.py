@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from mlxppd.core.cluster_config import parse_cluster_config
+from mlxppd.core.config.cluster import parse_cluster_config
 from mlxppd.core.errors import ConfigurationError
 from mlxppd.wire.backends import BACKENDS, create_transport, wire_config_for
 from mlxppd.wire.rdma import RdmaTransport

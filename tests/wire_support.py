@@ -13,7 +13,7 @@ import struct
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
-from mlxppd.runtime import event_loop
+from mlxppd.runtime.system import event_loop
 from mlxppd.wire.backends import create_transport
 from mlxppd.wire.channel import SecureChannel
 from mlxppd.wire.codec import MessageKind

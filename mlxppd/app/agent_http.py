@@ -11,12 +11,12 @@ from typing import Any
 
 from aiohttp import web
 
-from mlxppd.core.agent_plan import CoordinatorTarget
+from mlxppd.core.agent.plan import CoordinatorTarget
 from mlxppd.http.admin_api import signed_admin_api
 from mlxppd.http.openai_api import create_app
-from mlxppd.runtime.agent import Agent
-from mlxppd.runtime.agent_status import agent_admin
-from mlxppd.runtime.gated_backend import GatedBackend
+from mlxppd.runtime.agent.loop import Agent
+from mlxppd.runtime.agent.status import agent_admin
+from mlxppd.runtime.pipeline.gated_backend import GatedBackend
 
 log = logging.getLogger("mlxppd.http")
 

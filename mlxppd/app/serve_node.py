@@ -13,25 +13,23 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mlxppd.core.agent_plan import StageAddress
+from mlxppd.core.agent.elastic import policy_with
+from mlxppd.core.agent.plan import StageAddress
 from mlxppd.core.cpu_weights import CpuWeights, float32_config
-from mlxppd.core.elastic import policy_with
 from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.layer_ranges import LayerRange
-from mlxppd.core.model_profile import profile_from_config, read_model_config
+from mlxppd.core.profile.model import profile_from_config, read_model_config
 from mlxppd.engine.families import family_for
 from mlxppd.engine.model_files import resolve_model_dir
 from mlxppd.http.admin_api import AdminApi, signed_admin_api
 from mlxppd.http.openai_api import create_app, create_metrics_app
-from mlxppd.runtime import event_loop
-from mlxppd.runtime.agent_status import CoordinatorAdmin, CoordinatorView
-from mlxppd.runtime.backend import GenerationBackend
-from mlxppd.runtime.elastic_driver import ElasticDriver
-from mlxppd.runtime.gated_backend import GatedBackend
-from mlxppd.runtime.inprocess_backend import InProcessBackend
+from mlxppd.runtime.agent.status import CoordinatorAdmin, CoordinatorView
 from mlxppd.runtime.local_cluster import LocalCluster
-from mlxppd.runtime.metrics import PipelineMetrics
-from mlxppd.runtime.mlx_thread import MlxThread
+from mlxppd.runtime.observability.metrics import PipelineMetrics
+from mlxppd.runtime.pipeline.backend import GenerationBackend
+from mlxppd.runtime.pipeline.elastic_driver import ElasticDriver
+from mlxppd.runtime.pipeline.gated_backend import GatedBackend
+from mlxppd.runtime.pipeline.inprocess_backend import InProcessBackend
 from mlxppd.runtime.serve import (
     NodeOptions,
     load_node_cluster,
@@ -39,6 +37,8 @@ from mlxppd.runtime.serve import (
     stop_event,
     write_ready,
 )
+from mlxppd.runtime.system import event_loop
+from mlxppd.runtime.system.mlx_thread import MlxThread
 from mlxppd.wire.tasks import spawn, stop_tasks
 
 log = logging.getLogger("mlxppd.serve")

@@ -134,9 +134,9 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_check(args: argparse.Namespace) -> int:
-    from mlxppd.core.agent_settings import config_dir_from
-    from mlxppd.runtime.agent import load_configuration
-    from mlxppd.runtime.host_addresses import is_local_address
+    from mlxppd.core.config.host import config_dir_from
+    from mlxppd.runtime.agent.loop import load_configuration
+    from mlxppd.runtime.system.host_addresses import is_local_address
 
     config_dir = config_dir_from(args.config_dir, os.environ)
     desired, context = load_configuration(
@@ -161,13 +161,13 @@ def run_agent(args: argparse.Namespace) -> int:
     from prometheus_client import CollectorRegistry
 
     from mlxppd.app.agent_http import start_agent_http
-    from mlxppd.core.agent_settings import config_dir_from, load_host_settings
-    from mlxppd.runtime import event_loop
-    from mlxppd.runtime.agent import Agent
-    from mlxppd.runtime.host_addresses import is_local_address
-    from mlxppd.runtime.metrics import PipelineMetrics
-    from mlxppd.runtime.sd_notify import SdNotifier
-    from mlxppd.runtime.service_logging import configure_logging
+    from mlxppd.core.config.host import config_dir_from, load_host_settings
+    from mlxppd.runtime.agent.loop import Agent
+    from mlxppd.runtime.observability.metrics import PipelineMetrics
+    from mlxppd.runtime.system import event_loop
+    from mlxppd.runtime.system.host_addresses import is_local_address
+    from mlxppd.runtime.system.sd_notify import SdNotifier
+    from mlxppd.runtime.system.service_logging import configure_logging
 
     config_dir = config_dir_from(args.config_dir, os.environ)
     overrides = _overrides(args)

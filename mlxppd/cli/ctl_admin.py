@@ -19,18 +19,18 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from mlxppd.core.agent_settings import (
+from mlxppd.core.agent.health import UNHEALTHY, overall_health
+from mlxppd.core.config.addresses import join_host_port
+from mlxppd.core.config.cluster import load_cluster_config
+from mlxppd.core.config.host import (
     CLUSTER_FILE,
     HOST_FILE,
     HostSettings,
     config_dir_from,
     load_host_settings,
 )
-from mlxppd.core.cluster_config import load_cluster_config
-from mlxppd.core.cluster_health import UNHEALTHY, overall_health
-from mlxppd.core.cluster_render import join_host_port
 from mlxppd.core.errors import ConfigurationError, MlxppError
-from mlxppd.core.partition_sizes import parse_byte_size
+from mlxppd.core.partition.sizes import parse_byte_size
 from mlxppd.http.admin_api import (
     DRAIN_PATH,
     EVENTS_PATH,

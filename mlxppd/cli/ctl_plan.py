@@ -14,14 +14,14 @@ from typing import Any
 from mlxppd.core.cpu_weights import CpuWeights, held_config
 from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.layer_ranges import parse_pp_layers
-from mlxppd.core.model_profile import profile_from_config, read_model_config
-from mlxppd.core.partition import (
+from mlxppd.core.partition.plan import (
     PartitionPlan,
     balance_layers,
     parse_stage_memory,
     plan_layers,
 )
-from mlxppd.core.partition_quality import format_plan
+from mlxppd.core.partition.quality import format_plan
+from mlxppd.core.profile.model import profile_from_config, read_model_config
 
 _EPILOG = """\
 examples:

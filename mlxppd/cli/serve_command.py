@@ -171,7 +171,7 @@ def _zero_config_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _zero_config(args: argparse.Namespace) -> Any:
-    from mlxppd.runtime.zero_config import ZeroConfig
+    from mlxppd.runtime.zeroconf.bringup import ZeroConfig
 
     peers = tuple(p.strip() for p in (args.cluster_peers or "").split(",") if p.strip())
     return ZeroConfig(
@@ -225,7 +225,7 @@ def _check_zero_config(args: argparse.Namespace) -> None:
 
 async def _run_auto(options: Any, zero: Any) -> int:
     from mlxppd.app.serve_node import run_coordinator_node
-    from mlxppd.runtime.zero_config import coordinate
+    from mlxppd.runtime.zeroconf.bringup import coordinate
 
     planned = await coordinate(options, zero)
     if isinstance(planned, int):
@@ -235,7 +235,7 @@ async def _run_auto(options: Any, zero: Any) -> int:
 
 async def _run_peer(options: Any, zero: Any) -> int:
     from mlxppd.runtime.serve import run_stage_node
-    from mlxppd.runtime.zero_config import await_assignment
+    from mlxppd.runtime.zeroconf.bringup import await_assignment
 
     assigned = await await_assignment(options, zero)
     return await run_stage_node(assigned)
@@ -297,8 +297,8 @@ def _node_options(args: argparse.Namespace) -> Any:
 def run(args: argparse.Namespace) -> int:
     from mlxppd.app.serve_node import run_coordinator_node
     from mlxppd.core.schedule import suggested_micro_batch_size
-    from mlxppd.runtime import event_loop
     from mlxppd.runtime.serve import NodeOptions, run_stage_node
+    from mlxppd.runtime.system import event_loop
 
     logging.basicConfig(
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
@@ -325,7 +325,7 @@ def run(args: argparse.Namespace) -> int:
         )
     if not args.node_id:
         raise ConfigurationError("--node-id is required with --distributed-config")
-    from mlxppd.core.cluster_config import NodeRole, load_cluster_config
+    from mlxppd.core.config.cluster import NodeRole, load_cluster_config
 
     cluster = load_cluster_config(args.distributed_config)
     node = cluster.find_node(args.node_id)
@@ -339,11 +339,11 @@ def _run_local(args: argparse.Namespace, options: Any, sized: Any) -> int:
     """No cluster TOML: a local cluster of --pp-size stages, or every stage in this process."""
     from mlxppd.app.serve_node import run_inprocess, run_local_cluster
     from mlxppd.core.layer_ranges import parse_pp_layers
-    from mlxppd.core.model_profile import profile_from_config, read_model_config
-    from mlxppd.core.partition import balance_layers
+    from mlxppd.core.partition.plan import balance_layers
+    from mlxppd.core.profile.model import profile_from_config, read_model_config
     from mlxppd.engine.families import single_process_reason
     from mlxppd.engine.model_files import resolve_model_dir
-    from mlxppd.runtime import event_loop
+    from mlxppd.runtime.system import event_loop
 
     model_dir = resolve_model_dir(args.model)
     config = read_model_config(model_dir)

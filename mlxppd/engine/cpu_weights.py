@@ -18,7 +18,7 @@ import mlx.nn as nn
 
 from mlxppd.core.cpu_weights import ComputeHost, CpuWeights, float32_config, resolve_cpu_weights
 from mlxppd.core.layer_ranges import LayerRange
-from mlxppd.core.model_profile import profile_from_config
+from mlxppd.core.profile.model import profile_from_config
 from mlxppd.core.stages import StageSpec
 from mlxppd.engine.blas import blas_in_use
 

@@ -1,6 +1,6 @@
 """A model directory in mlx-lm format: resolving it and loading some of its tensors.
 
-Its config.json is read by ``mlxppd.core.model_profile.read_model_config``, the one reader.
+Its config.json is read by ``mlxppd.core.profile.model.read_model_config``, the one reader.
 
 Safetensors files are opened lazily by ``mx.load``: a tensor's bytes are read only when it is
 evaluated, so a stage that keeps only its own tensors never reads the others from disk.

@@ -5,8 +5,8 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from mlxppd.core.assignment import ModelIdentity
-from mlxppd.core.model_profile import read_model_config
+from mlxppd.core.profile.model import read_model_config
+from mlxppd.core.protocol.assignment import ModelIdentity
 from mlxppd.engine.families import family_for
 
 

@@ -17,7 +17,7 @@ from mlx.utils import tree_flatten
 
 from mlxppd.core.cpu_weights import CpuWeights
 from mlxppd.core.errors import ConfigurationError
-from mlxppd.core.model_profile import read_model_config
+from mlxppd.core.profile.model import read_model_config
 from mlxppd.core.stages import StageSpec
 from mlxppd.engine.cpu_weights import float32_weights, resolve_for_stage
 from mlxppd.engine.families import family_for

@@ -12,7 +12,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 
-from mlxppd.core.pipeline_messages import regroup
+from mlxppd.core.protocol.pipeline import regroup
 from mlxppd.engine.sampling import Sampler, greedy, make_sampler
 from mlxppd.engine.stage import LoadedStage
 

@@ -17,10 +17,10 @@ from typing import Any, Protocol
 from aiohttp import web
 from pydantic import Field, ValidationError
 
-from mlxppd.core.cluster_health import overall_health
+from mlxppd.core.agent.health import overall_health
 from mlxppd.core.strict import StrictModel
 from mlxppd.http.errors import ApiError, error_response
-from mlxppd.runtime.metrics import PipelineMetrics
+from mlxppd.runtime.observability.metrics import PipelineMetrics
 from mlxppd.wire.admin_auth import AdminAuthError, AdminVerifier, admin_key
 
 __all__ = [

@@ -11,7 +11,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlxppd.runtime.backend import GenerationBackend, SamplingParams, TokenEvent
+from mlxppd.runtime.pipeline.backend import GenerationBackend, SamplingParams, TokenEvent
 
 #: stands in for -inf, which JSON cannot carry
 MIN_LOGPROB = -9999.0

@@ -10,7 +10,7 @@ from typing import Any
 
 from aiohttp import web
 
-from mlxppd.runtime.backend import AdmissionClosed, AdmissionRejected, BackendUnavailable
+from mlxppd.runtime.pipeline.backend import AdmissionClosed, AdmissionRejected, BackendUnavailable
 
 INVALID_REQUEST = "invalid_request_error"
 

@@ -25,13 +25,13 @@ from mlxppd.http.errors import ApiError, error_response, from_backend_error, inv
 from mlxppd.http.responses import Shape
 from mlxppd.http.sse import SseWriter
 from mlxppd.http.validation import ParsedRequest, parse_chat, parse_completion, parse_json_body
-from mlxppd.runtime.backend import (
+from mlxppd.runtime.observability.metrics import PipelineMetrics
+from mlxppd.runtime.pipeline.backend import (
     AdmissionRejected,
     BackendUnavailable,
     GenerationBackend,
     SamplingParams,
 )
-from mlxppd.runtime.metrics import PipelineMetrics
 
 log = logging.getLogger("mlxppd.http")
 

@@ -16,14 +16,14 @@ from mlxppd.core.cpu_weights import CpuWeights, held_config
 from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.generate_settings import GenerateSettings
 from mlxppd.core.layer_ranges import format_pp_layers, parse_pp_layers
-from mlxppd.core.model_profile import ModelProfile, profile_from_config, read_model_config
-from mlxppd.core.partition import (
+from mlxppd.core.partition.plan import (
     PartitionPlan,
     balance_layers,
     parse_stage_memory,
     plan_layers,
 )
-from mlxppd.core.partition_quality import quality_report
+from mlxppd.core.partition.quality import quality_report
+from mlxppd.core.profile.model import ModelProfile, profile_from_config, read_model_config
 from mlxppd.core.stages import StageSpec, stage_specs
 from mlxppd.engine.blas import blas_in_use
 from mlxppd.engine.cpu_weights import resolve_for_process

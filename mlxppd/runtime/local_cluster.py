@@ -23,7 +23,8 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from mlxppd.core.cluster_config import ClusterConfig, parse_cluster_config, render_cluster_toml
+from mlxppd.core.config.cluster import ClusterConfig, parse_cluster_config
+from mlxppd.core.config.render import render_cluster_toml
 from mlxppd.core.errors import TemporaryError
 from mlxppd.core.layer_ranges import LayerRange, format_pp_layers
 from mlxppd.runtime.serve import NodeOptions

@@ -17,25 +17,25 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from mlxppd.core.agent_desired import cluster_layer_plan
-from mlxppd.core.cluster_config import ClusterConfig, NodeRole, load_cluster_config
+from mlxppd.core.agent.desired import cluster_layer_plan
+from mlxppd.core.config.cluster import ClusterConfig, NodeRole, load_cluster_config
 from mlxppd.core.cpu_weights import CpuWeights
 from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.kv_admission import DEFAULT_STAGE_SEQUENCES
-from mlxppd.core.model_profile import read_model_config
+from mlxppd.core.profile.model import read_model_config
 from mlxppd.core.stages import StageSpec
 from mlxppd.engine.model_files import resolve_model_dir
 from mlxppd.engine.tokenizer import load_tokenizer
-from mlxppd.runtime.atomic_write import write_text_atomic
-from mlxppd.runtime.coordinator import Coordinator
-from mlxppd.runtime.metrics import PipelineMetrics
-from mlxppd.runtime.mlx_thread import MlxThread
-from mlxppd.runtime.node_start import (
+from mlxppd.runtime.observability.metrics import PipelineMetrics
+from mlxppd.runtime.pipeline.coordinator import Coordinator
+from mlxppd.runtime.pipeline.node_start import (
     CoordinatorSetup,
     StageSetup,
     start_pipeline_coordinator,
     start_stage_worker,
 )
+from mlxppd.runtime.system.atomic_write import write_text_atomic
+from mlxppd.runtime.system.mlx_thread import MlxThread
 from mlxppd.wire.secret import load_cluster_secret
 
 log = logging.getLogger("mlxppd.serve")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mlxppd.core.cluster_config import ClusterConfig
+from mlxppd.core.config.cluster import ClusterConfig
 from mlxppd.core.errors import ConfigurationError
 from mlxppd.wire.rdma import RdmaTransport
 from mlxppd.wire.secret import ClusterSecret

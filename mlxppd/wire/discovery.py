@@ -34,8 +34,8 @@ from typing import Literal
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from mlxppd.core.cluster_config import parse_address
-from mlxppd.core.cluster_render import join_host_port
+from mlxppd.core.config.addresses import join_host_port
+from mlxppd.core.config.cluster import parse_address
 from mlxppd.core.errors import ConfigurationError, MlxppError
 
 __all__ = [

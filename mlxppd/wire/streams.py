@@ -14,7 +14,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 
-from mlxppd.core.cluster_render import join_host_port
+from mlxppd.core.config.addresses import join_host_port
 
 __all__ = [
     "CHUNK_BYTES",

@@ -3,7 +3,7 @@
 Each family module exposes ``FAMILY``, an instance of ``base.Family`` (the small contract:
 ``num_layers``, ``check_split``, ``prune``, ``make_cache``, ``embed``, ``run_layers``, ``head``).
 Which ``model_type`` runs on which module, under which wire name, is the family table in
-``mlxppd.core.families``; modules are imported only when a model of that family is used.
+``mlxppd.core.profile.families``; modules are imported only when a model of that family is used.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import importlib
 from typing import Any
 
 from mlxppd.core.errors import ConfigurationError
-from mlxppd.core.families import FAMILIES, FamilySpec
+from mlxppd.core.profile.families import FAMILIES, FamilySpec
 from mlxppd.engine.families.base import Family
 
 # runs a single-process-only family: mlx-lm's whole model as one stage

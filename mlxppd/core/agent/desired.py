@@ -1,0 +1,118 @@
+"""From the config files to the agent's desired state: which node this host is, what it runs.
+
+Pure: the caller reads the files and the model's config.json and says which addresses are
+local; this module only decides.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from mlxppd.core.agent.plan import CoordinatorTarget, DesiredState, StageAddress, StageTarget
+from mlxppd.core.config.cluster import ClusterConfig, Node, NodeRole
+from mlxppd.core.config.host import CLUSTER_FILE, HostSettings
+from mlxppd.core.errors import ConfigurationError
+from mlxppd.core.layer_ranges import LayerRange, parse_pp_layers
+from mlxppd.core.partition.plan import balance_layers
+from mlxppd.core.profile.model import profile_from_config
+
+__all__ = ["cluster_layer_plan", "config_generation", "desired_state", "match_node"]
+
+
+def config_generation(cluster_text: bytes) -> str:
+    """Fingerprint of cluster.toml: equal on every host holding the same file."""
+    return hashlib.sha256(cluster_text).hexdigest()[:12]
+
+
+def cluster_layer_plan(cluster: ClusterConfig, config: Mapping[str, Any]) -> tuple[LayerRange, ...]:
+    """``[cluster] layers`` when given (validated against the model, adjacency included);
+    otherwise the auto partitioner's plan, which every node computes identically."""
+    profile = profile_from_config(dict(config))
+    if cluster.cluster.layers is not None:
+        text = ",".join(cluster.cluster.layers)
+        try:
+            return parse_pp_layers(text, profile.num_layers, profile.adjacency_groups)
+        except ConfigurationError as exc:
+            # The parser names the flag; here the ranges came from the file.
+            message = str(exc).removeprefix(f"{exc.source}: ") if exc.source else str(exc)
+            raise ConfigurationError(message, source=CLUSTER_FILE, key="cluster.layers") from None
+    return balance_layers(profile, cluster.cluster.pipeline_parallel_size).ranges
+
+
+def match_node(
+    cluster: ClusterConfig, node_id: str | None, is_local: Callable[[str], bool]
+) -> Node:
+    """This host's node: ``node_id`` when set, else the one node whose host is local."""
+    if node_id is not None:
+        node = cluster.find_node(node_id)
+        if node is None:
+            known = ", ".join(n.id for n in cluster.nodes)
+            raise ConfigurationError(
+                f"node id '{node_id}' is not in {CLUSTER_FILE} (its nodes: {known}); "
+                "fix node_id in mlxppd.toml or --node-id",
+                key="node_id",
+            )
+        return node
+    matches = [n for n in cluster.nodes if is_local(n.host)]
+    if len(matches) == 1:
+        return matches[0]
+    if not matches:
+        hosts = ", ".join(f"{n.id}={n.host}" for n in cluster.nodes)
+        raise ConfigurationError(
+            f"no node in {CLUSTER_FILE} has an address of this host ({hosts}); "
+            "set node_id in mlxppd.toml or pass --node-id",
+            key="node_id",
+        )
+    ids = ", ".join(f"'{n.id}'" for n in matches)
+    raise ConfigurationError(
+        f"several nodes have addresses of this host ({ids}); "
+        "set node_id in mlxppd.toml or pass --node-id to say which one this is",
+        key="node_id",
+    )
+
+
+def desired_state(
+    cluster: ClusterConfig,
+    host: HostSettings,
+    node: Node,
+    model_config: Mapping[str, Any],
+    generation: str,
+) -> DesiredState:
+    """What ``node`` should run under these files."""
+    if cluster.cluster.tensor_parallel_size > 1:
+        raise ConfigurationError(
+            "the agent serves pipeline-only clusters; set tensor_parallel_size = 1",
+            source=CLUSTER_FILE,
+            key="cluster.tensor_parallel_size",
+        )
+    ranges = cluster_layer_plan(cluster, model_config)
+    transport = cluster.cluster.transport_backend
+    if node.role is NodeRole.COORDINATOR:
+        coordinator = CoordinatorTarget(
+            node_id=node.id,
+            http_host=host.http_host,
+            http_port=host.http_port,
+            transport=transport,
+            stages=tuple(StageAddress(n.id, n.host, n.port) for n in cluster.stage_nodes()),
+            layers=ranges,
+            parallel=host.parallel,
+            micro_batch_size=host.micro_batch_size,
+            api_key=host.api_key,
+        )
+        return DesiredState(node.id, generation, cluster.cluster.elastic, coordinator=coordinator)
+    assert node.stage is not None  # the cluster model guarantees it for stage nodes
+    stage = StageTarget(
+        node_id=node.id,
+        stage=node.stage,
+        num_stages=len(ranges),
+        layers=ranges[node.stage],
+        host=node.host,
+        port=node.port,
+        transport=transport,
+        kv_budget_bytes=host.kv_budget_bytes or cluster.cluster.kv_budget_bytes,
+        cpu_weights=host.cpu_weights or cluster.cluster.cpu_weights,
+        max_sequences=host.max_sequences,
+    )
+    return DesiredState(node.id, generation, cluster.cluster.elastic, stage=stage)

@@ -1,0 +1,261 @@
+"""The agent's reconcile, as pure data: ``plan(desired, observed) -> actions``.
+
+The desired state comes from the config files (see ``agent.desired``), the observed state from
+what this node runs now. ``plan`` compares them and lists what to do, in the order to do it;
+``runtime.agent.actions`` carries the actions out. Nothing here touches a socket or a clock, so
+every case is a row in a table test.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mlxppd.core.config.cluster import ElasticPolicy
+from mlxppd.core.cpu_weights import CpuWeights
+from mlxppd.core.kv_admission import DEFAULT_STAGE_SEQUENCES
+from mlxppd.core.layer_ranges import LayerRange
+
+__all__ = [
+    "Action",
+    "CoordinatorTarget",
+    "DesiredState",
+    "ObservedState",
+    "RebindStage",
+    "ReloadStage",
+    "ReplanCoordinator",
+    "RestartCoordinator",
+    "SetGeneration",
+    "StageTarget",
+    "StartCoordinator",
+    "StartStage",
+    "StopCoordinator",
+    "StopStage",
+    "UpdateKvBudget",
+    "UpdatePolicy",
+    "plan",
+]
+
+
+@dataclass(frozen=True)
+class StageTarget:
+    """A stage worker: where it listens, which layers it holds, how it talks."""
+
+    node_id: str
+    stage: int
+    num_stages: int
+    layers: LayerRange
+    host: str
+    port: int
+    transport: str
+    kv_budget_bytes: int | None = None
+    """KV cache budget (bytes); None = unlimited"""
+    cpu_weights: CpuWeights = CpuWeights.AUTO
+    """how the stage holds its weights on a CPU host"""
+    max_sequences: int = DEFAULT_STAGE_SEQUENCES
+    """sequences the stage holds KV for (sequences)"""
+
+    def same_layers(self, other: StageTarget) -> bool:
+        # A different weight mode means loading the layers again.
+        return (self.stage, self.num_stages, self.layers, self.cpu_weights) == (
+            other.stage,
+            other.num_stages,
+            other.layers,
+            other.cpu_weights,
+        )
+
+    def same_endpoint(self, other: StageTarget) -> bool:
+        return (self.host, self.port, self.transport) == (other.host, other.port, other.transport)
+
+
+@dataclass(frozen=True)
+class StageAddress:
+    """One stage as the coordinator sees it."""
+
+    node_id: str
+    host: str
+    port: int
+
+
+@dataclass(frozen=True)
+class CoordinatorTarget:
+    """The coordinator: the pipeline it drives and the HTTP API it serves."""
+
+    node_id: str
+    http_host: str
+    http_port: int
+    transport: str
+    stages: tuple[StageAddress, ...]
+    layers: tuple[LayerRange, ...]
+    parallel: int = 64
+    """sequences generating at once"""
+    micro_batch_size: int = 1
+    """decode sequences per pipeline pass"""
+    api_key: str | None = None
+
+    def pipeline_key(self) -> tuple[object, ...]:
+        """What needs a new pipeline (reconnect) when it changes; layers alone do not."""
+        return (self.transport, self.stages, self.parallel, self.micro_batch_size)
+
+    def http_key(self) -> tuple[object, ...]:
+        return (self.http_host, self.http_port, self.api_key)
+
+
+@dataclass(frozen=True)
+class DesiredState:
+    """What the config files say this node should be running."""
+
+    node_id: str
+    generation: str
+    """fingerprint of cluster.toml, the same on every host that has the same file"""
+    policy: ElasticPolicy
+    stage: StageTarget | None = None
+    coordinator: CoordinatorTarget | None = None
+
+
+@dataclass(frozen=True)
+class ObservedState:
+    """What this node runs now (None: nothing of that kind)."""
+
+    generation: str | None = None
+    policy: ElasticPolicy | None = None
+    stage: StageTarget | None = None
+    coordinator: CoordinatorTarget | None = None
+    pipeline_connected: bool = True
+    """False once the coordinator lost a stage: it must reconnect"""
+
+
+# -- actions -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StartStage:
+    target: StageTarget
+
+
+@dataclass(frozen=True)
+class StopStage:
+    reason: str
+
+
+@dataclass(frozen=True)
+class ReloadStage:
+    """New layers on a live stage: drain its sequences, load, resume (connections stay up)."""
+
+    target: StageTarget
+
+
+@dataclass(frozen=True)
+class RebindStage:
+    """New address or transport: listen again, keeping the loaded layers."""
+
+    target: StageTarget
+
+
+@dataclass(frozen=True)
+class UpdateKvBudget:
+    target: StageTarget
+
+
+@dataclass(frozen=True)
+class StartCoordinator:
+    target: CoordinatorTarget
+
+
+@dataclass(frozen=True)
+class StopCoordinator:
+    reason: str
+
+
+@dataclass(frozen=True)
+class RestartCoordinator:
+    """Drain, then connect a new pipeline (and rebind HTTP when its address changed)."""
+
+    target: CoordinatorTarget
+    reason: str
+
+
+@dataclass(frozen=True)
+class ReplanCoordinator:
+    """New layer ranges: drain, wait for every stage to report them, resume."""
+
+    target: CoordinatorTarget
+
+
+@dataclass(frozen=True)
+class UpdatePolicy:
+    policy: ElasticPolicy
+
+
+@dataclass(frozen=True)
+class SetGeneration:
+    """Last: the config generation now in force."""
+
+    generation: str
+
+
+Action = (
+    StartStage
+    | StopStage
+    | ReloadStage
+    | RebindStage
+    | UpdateKvBudget
+    | StartCoordinator
+    | StopCoordinator
+    | RestartCoordinator
+    | ReplanCoordinator
+    | UpdatePolicy
+    | SetGeneration
+)
+
+
+def _stage_actions(want: StageTarget | None, have: StageTarget | None) -> list[Action]:
+    if want is None:
+        return [StopStage("this node is no longer a stage")] if have is not None else []
+    if have is None:
+        return [StartStage(want)]
+    out: list[Action] = []
+    if not want.same_layers(have):
+        out.append(ReloadStage(want))
+    if not want.same_endpoint(have):
+        out.append(RebindStage(want))
+    limits = (want.kv_budget_bytes, want.max_sequences)
+    if limits != (have.kv_budget_bytes, have.max_sequences) and not out:
+        # A reload already applies the budget of its target.
+        out.append(UpdateKvBudget(want))
+    return out
+
+
+def _coordinator_actions(
+    want: CoordinatorTarget | None, have: CoordinatorTarget | None, connected: bool
+) -> list[Action]:
+    if want is None:
+        return [StopCoordinator("this node is no longer the coordinator")] if have else []
+    if have is None:
+        return [StartCoordinator(want)]
+    if want.http_key() != have.http_key():
+        return [RestartCoordinator(want, "the HTTP address or API key changed")]
+    if want.pipeline_key() != have.pipeline_key():
+        return [RestartCoordinator(want, "the stages, transport or batching changed")]
+    if not connected:
+        return [RestartCoordinator(want, "a stage connection was lost")]
+    if want.layers != have.layers:
+        return [ReplanCoordinator(want)]
+    return []
+
+
+def plan(desired: DesiredState, observed: ObservedState) -> tuple[Action, ...]:
+    """The actions that take ``observed`` to ``desired``, in order: stops first (free the
+    ports and memory), then the stage, then the coordinator, then the policy, then the
+    generation (only once everything it describes is in force)."""
+    stage = _stage_actions(desired.stage, observed.stage)
+    coordinator = _coordinator_actions(
+        desired.coordinator, observed.coordinator, observed.pipeline_connected
+    )
+    stops = [a for a in stage + coordinator if isinstance(a, StopStage | StopCoordinator)]
+    rest = [a for a in stage + coordinator if a not in stops]
+    actions: list[Action] = [*stops, *rest]
+    if desired.policy != observed.policy:
+        actions.append(UpdatePolicy(desired.policy))
+    if desired.generation != observed.generation:
+        actions.append(SetGeneration(desired.generation))
+    return tuple(actions)

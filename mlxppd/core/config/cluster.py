@@ -1,0 +1,485 @@
+"""The cluster TOML: pydantic models, their invariants, and loading with readable errors.
+
+Text-level helpers live beside it: ``addresses`` (host:port), ``messages`` (error wording) and
+``render`` (the TOML text, which imports this module; this one never imports it).
+
+One file describes the whole cluster: ``[cluster]`` (sizes, transport, secret, elastic policy,
+optional layer ranges) and one ``[[nodes]]`` entry per process. Every invariant the runtime relies
+on is checked here, so later layers can trust a ``ClusterConfig`` without re-checking it.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import re
+import tomllib
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import (
+    BeforeValidator,
+    Field,
+    ValidationError,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
+
+from mlxppd.core.config.addresses import address_key, parse_address
+from mlxppd.core.config.messages import KeyedValueError, validation_error
+from mlxppd.core.cpu_weights import CpuWeights, CpuWeightsField
+from mlxppd.core.errors import ConfigurationError
+from mlxppd.core.layer_ranges import LayerRange, check_layer_ranges, even_split, parse_layer_range
+from mlxppd.core.strict import StrictModel as _Strict
+
+__all__ = [
+    "ClusterConfig",
+    "ClusterSection",
+    "ElasticPolicy",
+    "Node",
+    "NodeRole",
+    "TransportBackend",
+    "cluster_json_schema_text",
+    "load_cluster_config",
+    "parse_address",
+    "parse_cluster_config",
+]
+
+TransportBackend = Literal["tcp", "thunderbolt", "rdma"]
+Loc = tuple[str | int, ...]
+
+_ID_RE = re.compile(r"[A-Za-z0-9._-]+")
+
+
+class NodeRole(enum.StrEnum):
+    """What a node does in the cluster."""
+
+    #: serves the HTTP API and drives the stages, holding no layers; the TOML spells it
+    #: "hybrid" (as other pipeline engines do) and accepts "coordinator"
+    COORDINATOR = "hybrid"
+    PIPELINE_STAGE = "pipeline_stage"
+    PIPELINE_TENSOR_PARALLEL = "pipeline_tensor_parallel"
+
+
+# Spellings accepted on input (aliases); output always uses the canonical value.
+_ROLE_ALIASES = {
+    "coordinator": NodeRole.COORDINATOR,
+    "pp_tp": NodeRole.PIPELINE_TENSOR_PARALLEL,
+    "2d": NodeRole.PIPELINE_TENSOR_PARALLEL,
+}
+_ROLE_INPUTS = [r.value for r in NodeRole] + list(_ROLE_ALIASES)
+
+
+def _normalise_role(value: object) -> object:
+    if isinstance(value, str) and not isinstance(value, NodeRole):
+        role = _ROLE_ALIASES.get(value, value)
+        if role not in _ROLE_INPUTS:
+            choices = ", ".join(f"'{r}'" for r in _ROLE_INPUTS)
+            raise ValueError(f"unknown role '{value}'; use one of {choices}")
+        return NodeRole(role)
+    return value
+
+
+RoleField = Annotated[
+    NodeRole,
+    BeforeValidator(_normalise_role),
+    # The schema lists the aliases too, so editors validating a TOML do not flag valid input.
+    WithJsonSchema({"type": "string", "enum": _ROLE_INPUTS}),
+]
+
+
+class ElasticPolicy(_Strict):
+    """``[cluster.elastic]``: opt-in elastic repartitioning (docs/elastic.md)."""
+
+    enabled: bool = Field(
+        False, strict=True, description="Enable elastic repartitioning (--enable-elastic-pp)."
+    )
+    drain_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        allow_inf_nan=False,
+        strict=True,
+        description="Seconds to wait for in-flight requests to finish before rebalancing.",
+    )
+    pressure_fraction: float = Field(
+        0.92,
+        gt=0,
+        le=1,
+        allow_inf_nan=False,
+        strict=True,
+        description="KV-cache fill fraction (0 < x <= 1) of a stage that triggers a repartition.",
+    )
+    cool_down_s: float = Field(
+        30.0,
+        ge=0,
+        allow_inf_nan=False,
+        strict=True,
+        description="Seconds after a repartition before memory pressure may trigger another.",
+    )
+
+
+class ClusterSection(_Strict):
+    """``[cluster]``: cluster-wide settings."""
+
+    name: str = Field(
+        "mlxpp-cluster",
+        description="Human-readable cluster name; scopes discovery beacons.",
+    )
+    pipeline_parallel_size: int = Field(
+        ..., ge=2, strict=True, description="Number of pipeline stages (at least 2)."
+    )
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        strict=True,
+        description="Tensor-parallel ranks per stage; above 1 makes a 2D mesh.",
+    )
+    transport_backend: TransportBackend = Field(
+        "tcp", description="Cross-stage transport: 'tcp', 'thunderbolt' or 'rdma'."
+    )
+    secret_file: str | None = Field(
+        None,
+        min_length=1,
+        description="Path of the cluster secret file; the last place the secret is looked up.",
+    )
+    elastic: ElasticPolicy = Field(
+        default_factory=ElasticPolicy, description="Elastic repartitioning policy."
+    )
+    layers: list[str] | None = Field(
+        None,
+        min_length=1,
+        description='Inclusive layer range per stage, in stage order, e.g. ["0-14", "15-29"]; '
+        "unset means the partitioner's plan for the model.",
+    )
+    kv_budget_bytes: int | None = Field(
+        None,
+        ge=1,
+        description="KV cache budget of each stage in bytes; unset means no limit "
+        "(--kv-budget-bytes overrides it).",
+    )
+    cpu_weights: CpuWeightsField = Field(
+        CpuWeights.AUTO,
+        description="How stages on CPU hosts hold their weights: float32 (materialized at "
+        "load; fast on an optimized BLAS, 8x the memory of 4-bit), native, or auto (float32 "
+        "where the host computes on the CPU with an optimized BLAS and it fits in memory).",
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError('the cluster name is empty; set name = "my-cluster" or remove the key')
+        return value
+
+    @field_validator("layers")
+    @classmethod
+    def _layers_tile(cls, value: list[str] | None) -> list[str] | None:
+        if value is None:
+            return None
+        ranges = []
+        for i, text in enumerate(value):
+            try:
+                ranges.append(parse_layer_range(text))
+            except ValueError as exc:
+                raise KeyedValueError((i,), str(exc)) from None
+        # The model's layer count is unknown here; the end is checked by layer_plan().
+        check_layer_ranges(ranges)
+        return [str(r) for r in ranges]  # canonical "a-b", so rendering is stable
+
+    @model_validator(mode="after")
+    def _layers_per_stage(self) -> ClusterSection:
+        if self.layers is not None and len(self.layers) != self.pipeline_parallel_size:
+            raise KeyedValueError(
+                ("layers",),
+                f"{len(self.layers)} layer ranges for pipeline_parallel_size = "
+                f"{self.pipeline_parallel_size}; give exactly one range per stage",
+            )
+        return self
+
+    def layer_ranges(self) -> tuple[LayerRange, ...] | None:
+        """The ``layers`` key as half-open ranges, or None when unset."""
+        if self.layers is None:
+            return None
+        return tuple(parse_layer_range(t) for t in self.layers)
+
+
+class Node(_Strict):
+    """``[[nodes]]``: one mlxppd process in the cluster."""
+
+    id: str = Field(
+        ...,
+        description="Unique node id (letters, digits, '.', '_', '-'); used by --node-id.",
+        json_schema_extra={"pattern": "^[A-Za-z0-9._-]+$"},
+    )
+    address: str = Field(
+        ..., description="host:port other nodes connect to (IPv4, [IPv6]:port or hostname)."
+    )
+    role: RoleField = Field(
+        ...,
+        description="'hybrid' (the coordinator; alias 'coordinator'), 'pipeline_stage', or "
+        "'pipeline_tensor_parallel' (aliases 'pp_tp', '2d').",
+    )
+    stage: int | None = Field(
+        None, ge=0, strict=True, description="Pipeline stage index (0-based); stage nodes only."
+    )
+    rank: int | None = Field(
+        None, ge=0, strict=True, description="Tensor-parallel rank (0-based); 2D nodes only."
+    )
+
+    @field_validator("id")
+    @classmethod
+    def _check_id(cls, value: str) -> str:
+        if not _ID_RE.fullmatch(value):
+            raise ValueError(
+                f"node id '{value}' must be non-empty and use only letters, digits, "
+                "'.', '_' and '-'"
+            )
+        return value
+
+    @field_validator("address")
+    @classmethod
+    def _check_address(cls, value: str) -> str:
+        parse_address(value)
+        return value
+
+    @property
+    def host(self) -> str:
+        """Host part of ``address`` (without IPv6 brackets)."""
+        return parse_address(self.address)[0]
+
+    @property
+    def port(self) -> int:
+        """Port part of ``address``."""
+        return parse_address(self.address)[1]
+
+    @property
+    def tp_rank(self) -> int:
+        """Tensor-parallel rank, 0 for a node of a pipeline-only cluster."""
+        return self.rank if self.rank is not None else 0
+
+
+class ClusterConfig(_Strict):
+    """A whole cluster TOML file."""
+
+    cluster: ClusterSection = Field(..., description="Cluster-wide settings.")
+    nodes: list[Node] = Field(
+        ..., description="Every node: one hybrid coordinator plus one node per (stage, rank)."
+    )
+
+    @model_validator(mode="after")
+    def _topology_is_valid(self) -> ClusterConfig:
+        _check_topology(self)
+        return self
+
+    @property
+    def coordinator(self) -> Node:
+        """The hybrid node (exactly one per cluster)."""
+        return next(n for n in self.nodes if n.role is NodeRole.COORDINATOR)
+
+    def stage_nodes(self) -> list[Node]:
+        """Every non-coordinator node, ordered by (stage, rank)."""
+        stages = [n for n in self.nodes if n.role is not NodeRole.COORDINATOR]
+        return sorted(stages, key=lambda n: (n.stage, n.tp_rank))
+
+    def nodes_at_stage(self, stage: int) -> list[Node]:
+        """The nodes of one pipeline stage, ordered by rank (one node when not 2D)."""
+        return [n for n in self.stage_nodes() if n.stage == stage]
+
+    def nodes_at_rank(self, rank: int) -> list[Node]:
+        """The nodes of one tensor-parallel rank, ordered by stage (rank 0 = all when not 2D)."""
+        return [n for n in self.stage_nodes() if n.tp_rank == rank]
+
+    def find_node(self, node_id: str) -> Node | None:
+        """The node with this id, or None."""
+        return next((n for n in self.nodes if n.id == node_id), None)
+
+    def layer_plan(self, num_layers: int) -> tuple[LayerRange, ...]:
+        """Layer range per stage for ``num_layers``: ``cluster.layers`` or an even split."""
+        ranges = self.cluster.layer_ranges()
+        if ranges is None:
+            return even_split(num_layers, self.cluster.pipeline_parallel_size)
+        try:
+            check_layer_ranges(ranges, num_layers)
+        except ValueError as exc:
+            raise ConfigurationError(str(exc), key="cluster.layers") from None
+        return ranges
+
+
+def _check_topology(cfg: ClusterConfig) -> None:
+    """Every cross-node invariant; raises KeyedValueError at the first problem, in node order."""
+    pp = cfg.cluster.pipeline_parallel_size
+    tp = cfg.cluster.tensor_parallel_size
+    seen_ids: dict[str, int] = {}
+    seen_addresses: dict[tuple[str, int], int] = {}
+    coordinators: list[int] = []
+    slots: dict[tuple[int, int], int] = {}
+    for i, node in enumerate(cfg.nodes):
+        _check_unique(cfg, i, seen_ids, seen_addresses)
+        if node.role is NodeRole.COORDINATOR:
+            _check_coordinator(cfg, i, coordinators)
+            coordinators.append(i)
+            continue
+        slot = _stage_slot(node, i, pp, tp)
+        if slot in slots:
+            other = cfg.nodes[slots[slot]].id
+            key = "stage" if tp == 1 else "rank"
+            where = f"stage {node.stage}" if tp == 1 else f"(stage {slot[0]}, rank {slot[1]})"
+            what = "each stage" if tp == 1 else "each (stage, rank) pair"
+            raise KeyedValueError(
+                ("nodes", i, key),
+                f"{where} appears on nodes '{other}' and '{node.id}'; give {what} exactly one node",
+            )
+        slots[slot] = i
+    if not coordinators:
+        raise KeyedValueError(
+            ("nodes",),
+            "no node has role 'hybrid'; add one coordinator node with role = \"hybrid\"",
+        )
+    _check_complete(slots, pp, tp)
+
+
+def _check_unique(
+    cfg: ClusterConfig,
+    i: int,
+    seen_ids: dict[str, int],
+    seen_addresses: dict[tuple[str, int], int],
+) -> None:
+    """Node ``i``'s id and address are not used by an earlier node (records them)."""
+    node = cfg.nodes[i]
+    if node.id in seen_ids:
+        raise KeyedValueError(
+            ("nodes", i, "id"),
+            f"node id '{node.id}' is used by nodes[{seen_ids[node.id]}] and nodes[{i}]; "
+            "give each node a unique id",
+        )
+    seen_ids[node.id] = i
+    # Hostnames are case-insensitive; IPv6 spellings are compared in canonical form.
+    canon = address_key(node.address)
+    if canon in seen_addresses:
+        other = cfg.nodes[seen_addresses[canon]].id
+        raise KeyedValueError(
+            ("nodes", i, "address"),
+            f"address '{node.address}' is used by nodes '{other}' and '{node.id}'; "
+            "give each node its own host:port",
+        )
+    seen_addresses[canon] = i
+
+
+def _check_coordinator(cfg: ClusterConfig, i: int, coordinators: list[int]) -> None:
+    node = cfg.nodes[i]
+    if coordinators:
+        other = cfg.nodes[coordinators[0]].id
+        raise KeyedValueError(
+            ("nodes", i, "role"),
+            f"nodes '{other}' and '{node.id}' both have role 'hybrid'; a cluster has "
+            "exactly one coordinator, so give the others role 'pipeline_stage'",
+        )
+    for key in ("stage", "rank"):
+        if getattr(node, key) is not None:
+            raise KeyedValueError(
+                ("nodes", i, key),
+                f"the coordinator '{node.id}' runs no stage; remove its {key} key",
+            )
+
+
+def _stage_slot(node: Node, i: int, pp: int, tp: int) -> tuple[int, int]:
+    """The (stage, rank) a stage node fills, once its role, stage and rank are consistent."""
+    name = f"'{node.id}'"
+    if node.role is NodeRole.PIPELINE_TENSOR_PARALLEL and tp == 1:
+        raise KeyedValueError(
+            ("nodes", i, "role"),
+            f"node {name} has role 'pipeline_tensor_parallel' but tensor_parallel_size is 1; "
+            "set cluster.tensor_parallel_size above 1 or use role 'pipeline_stage'",
+        )
+    if node.role is NodeRole.PIPELINE_STAGE and tp > 1:
+        raise KeyedValueError(
+            ("nodes", i, "role"),
+            f"node {name} has role 'pipeline_stage' but tensor_parallel_size is {tp}; "
+            "in a 2D cluster every stage node has role 'pipeline_tensor_parallel' and a rank",
+        )
+    if node.stage is None:
+        raise KeyedValueError(
+            ("nodes", i, "stage"), f"node {name} has no stage; set stage to one of 0..{pp - 1}"
+        )
+    if node.stage >= pp:
+        raise KeyedValueError(
+            ("nodes", i, "stage"),
+            f"node {name} has stage {node.stage} but pipeline_parallel_size is {pp}; "
+            f"use a stage from 0 to {pp - 1}",
+        )
+    if tp == 1:
+        if node.rank is not None:
+            raise KeyedValueError(
+                ("nodes", i, "rank"),
+                f"node {name} has role 'pipeline_stage', which has no tensor-parallel rank; "
+                "remove rank, or set cluster.tensor_parallel_size for a 2D cluster",
+            )
+        return node.stage, 0
+    if node.rank is None:
+        raise KeyedValueError(
+            ("nodes", i, "rank"), f"node {name} has no rank; set rank to one of 0..{tp - 1}"
+        )
+    if node.rank >= tp:
+        raise KeyedValueError(
+            ("nodes", i, "rank"),
+            f"node {name} has rank {node.rank} but tensor_parallel_size is {tp}; "
+            f"use a rank from 0 to {tp - 1}",
+        )
+    return node.stage, node.rank
+
+
+def _check_complete(slots: dict[tuple[int, int], int], pp: int, tp: int) -> None:
+    """Every (stage, rank) of the pp x tp grid has its node."""
+    missing = [(s, r) for s in range(pp) for r in range(tp) if (s, r) not in slots]
+    if not missing:
+        return
+    if tp == 1:
+        names = ", ".join(str(s) for s, _ in missing)
+        subject = f"stage {names} has" if len(missing) == 1 else f"stages {names} have"
+        raise KeyedValueError(
+            ("nodes",),
+            f"{subject} no node; pipeline_parallel_size = {pp} needs one "
+            f"'pipeline_stage' node for each stage 0..{pp - 1}",
+        )
+    names = ", ".join(f"(stage {s}, rank {r})" for s, r in missing)
+    raise KeyedValueError(
+        ("nodes",),
+        f"{len(slots)} 'pipeline_tensor_parallel' nodes but pipeline_parallel_size x "
+        f"tensor_parallel_size = {pp * tp}; add nodes for {names}",
+    )
+
+
+def parse_cluster_config(text: str, source: str) -> ClusterConfig:
+    """Parse cluster TOML ``text``; ``source`` names it (a path) in every error."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        # tomllib puts the position in the message: "Invalid value (at line 2, column 5)".
+        raise ConfigurationError(
+            f"not valid TOML: {exc}; fix the syntax there", source=source
+        ) from None
+    try:
+        return ClusterConfig.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc, ClusterConfig, text, source) from None
+
+
+def load_cluster_config(path: Path) -> ClusterConfig:
+    """Read and validate the cluster TOML at ``path``."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigurationError(
+            f"cannot read the cluster TOML: {exc.strerror or exc}", source=str(path)
+        ) from None
+    except UnicodeDecodeError:
+        raise ConfigurationError("the cluster TOML is not UTF-8 text", source=str(path)) from None
+    return parse_cluster_config(text, str(path))
+
+
+def cluster_json_schema_text() -> str:
+    """The checked-in ``schemas/cluster.schema.json`` text (sorted keys, indent 2)."""
+    schema = {"$schema": "https://json-schema.org/draft/2020-12/schema"}
+    schema.update(ClusterConfig.model_json_schema())
+    return json.dumps(schema, sort_keys=True, indent=2, ensure_ascii=False) + "\n"

@@ -1,0 +1,261 @@
+"""This host's settings for the agent: ``mlxppd.toml`` in the config directory.
+
+``cluster.toml`` (the same file on every host) says what the cluster is; ``mlxppd.toml`` says
+what this host is: its node id, model, secret, HTTP address, KV budget, log level and state dir.
+
+Precedence, highest first: command-line flags, environment variables ``MLXPP_<FIELD>``
+(e.g. ``MLXPP_HTTP_PORT``), ``mlxppd.toml``, the defaults below. Each layer is validated on its
+own first, so an error names the flag, the variable, or the file with its line and key.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError, create_model
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from mlxppd.core.config.messages import format_key_path, validation_error
+from mlxppd.core.cpu_weights import CpuWeightsField
+from mlxppd.core.errors import ConfigurationError
+from mlxppd.core.kv_admission import DEFAULT_STAGE_SEQUENCES
+from mlxppd.core.strict import StrictModel
+
+__all__ = [
+    "CLUSTER_FILE",
+    "DEFAULT_CONFIG_DIR",
+    "ENV_CONFIG_DIR",
+    "HOST_FILE",
+    "HostSettings",
+    "config_dir_from",
+    "host_json_schema_text",
+    "load_host_settings",
+]
+
+DEFAULT_CONFIG_DIR = Path("/etc/mlxpp")
+ENV_CONFIG_DIR = "MLXPP_CONFIG_DIR"
+CLUSTER_FILE = "cluster.toml"
+HOST_FILE = "mlxppd.toml"
+ENV_PREFIX = "MLXPP_"
+
+LogLevel = Literal["debug", "info", "warning", "error"]
+
+# The layers below the flags, handed to the settings sources for one load (no global state
+# outlives a call).
+_LAYERS: contextvars.ContextVar[tuple[dict[str, Any], dict[str, Any]]] = contextvars.ContextVar(
+    "mlxpp_host_layers"
+)
+
+
+class _Layer(PydanticBaseSettingsSource):
+    def __init__(self, settings_cls: type[BaseSettings], index: int):
+        super().__init__(settings_cls)
+        self._index = index
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return self().get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(_LAYERS.get(({}, {}))[self._index])
+
+
+class HostSettings(BaseSettings):
+    """``mlxppd.toml``: this host's part of the cluster."""
+
+    model_config = SettingsConfigDict(extra="forbid", frozen=True, env_prefix=ENV_PREFIX)
+
+    node_id: str | None = Field(
+        None,
+        min_length=1,
+        description="This host's [[nodes]] id in cluster.toml; unset means the node whose "
+        "address is one of this host's own.",
+    )
+    model: str | None = Field(
+        None,
+        min_length=1,
+        description="mlx-lm model directory (the same model on every host); unset means the "
+        "embedded default.",
+    )
+    secret_file: str | None = Field(
+        None,
+        min_length=1,
+        description="Cluster secret file for this host; overrides [cluster] secret_file "
+        "(relative paths are relative to the config directory).",
+    )
+    http_host: str = Field(
+        "127.0.0.1",
+        min_length=1,
+        description="Address the coordinator's HTTP API (OpenAI + admin) listens on.",
+    )
+    http_port: int = Field(8080, ge=0, le=65535, description="TCP port of the HTTP API.")
+    api_key: str | None = Field(
+        None, min_length=1, description="Bearer key clients must send to the OpenAI API."
+    )
+    kv_budget_bytes: int | None = Field(
+        None,
+        ge=1,
+        description="KV cache budget of this host's stage in bytes; overrides "
+        "[cluster] kv_budget_bytes.",
+    )
+    cpu_weights: CpuWeightsField | None = Field(
+        None,
+        description="How this host's stage holds its weights (auto, native, float32); "
+        "overrides [cluster] cpu_weights.",
+    )
+    memory_budget_bytes: int | None = Field(
+        None,
+        ge=1,
+        description="Memory this host's stage may use for parameters and KV cache, bytes; the "
+        "elastic partitioner plans within it (unset: no limit).",
+    )
+    log_level: LogLevel = Field("info", description="Log level: debug, info, warning, error.")
+    state_dir: str = Field(
+        "/var/lib/mlxpp",
+        min_length=1,
+        description="Directory for this node's state: when set, the model cache is its "
+        "models/ folder (MLXPP_MODEL_CACHE wins; unset: ~/.cache/mlxpp).",
+    )
+    parallel: int = Field(
+        DEFAULT_STAGE_SEQUENCES,
+        ge=1,
+        description="Sequences the coordinator generates at once (sequences).",
+    )
+    max_sequences: int = Field(
+        DEFAULT_STAGE_SEQUENCES,
+        ge=1,
+        le=4096,
+        description="Stage only: sequences this stage holds KV for; more are refused with 503 "
+        "(sequences).",
+    )
+    micro_batch_size: int = Field(
+        1, ge=1, description="Decode sequences per pipeline pass (sequences)."
+    )
+    metrics: bool = Field(True, description="Serve Prometheus metrics at /metrics.")
+    drain_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Seconds in-flight requests may take to finish on SIGTERM or a reload.",
+    )
+    reconcile_interval_s: float = Field(
+        5.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Seconds between reconcile passes when nothing changed (heals lost links).",
+    )
+    warmup: bool = Field(True, description="Run a 2-token request through the pipeline at start.")
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # flags > environment > mlxppd.toml > defaults; the environment comes in as a mapping.
+        return (init_settings, _Layer(settings_cls, 0), _Layer(settings_cls, 1))
+
+
+# The same fields, all optional, as a plain strict model: validates one layer on its own.
+def _layer_model() -> type[Any]:
+    fields: dict[str, Any] = {}
+    for name, info in HostSettings.model_fields.items():
+        optional: Any = info.annotation
+        fields[name] = (optional | None, FieldInfo.merge_field_infos(info, default=None))
+    model: type[Any] = create_model("HostLayer", __base__=StrictModel, **fields)
+    return model
+
+
+def _check_layer(data: Mapping[str, Any], describe: Any) -> None:
+    try:
+        _layer_model().model_validate(dict(data))
+    except ValidationError as exc:
+        raise describe(exc) from None
+
+
+def config_dir_from(flag: str | Path | None, environ: Mapping[str, str]) -> Path:
+    """``--config-dir``, else ``MLXPP_CONFIG_DIR``, else ``/etc/mlxpp``."""
+    if flag:
+        return Path(flag).expanduser()
+    if environ.get(ENV_CONFIG_DIR):
+        return Path(environ[ENV_CONFIG_DIR]).expanduser()
+    return DEFAULT_CONFIG_DIR
+
+
+def _env_layer(environ: Mapping[str, str]) -> dict[str, str]:
+    out = {}
+    for name in HostSettings.model_fields:
+        key = ENV_PREFIX + name.upper()
+        if key in environ:
+            out[name] = environ[key]
+    return out
+
+
+def _file_layer(path: Path) -> tuple[dict[str, Any], str]:
+    if not path.exists():
+        return {}, ""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigurationError(
+            f"cannot read the host settings: {exc}", source=str(path)
+        ) from None
+    try:
+        return tomllib.loads(text), text
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigurationError(
+            f"not valid TOML: {exc}; fix the syntax there", source=str(path)
+        ) from None
+
+
+def load_host_settings(
+    config_dir: Path,
+    *,
+    environ: Mapping[str, str],
+    overrides: Mapping[str, Any] | None = None,
+) -> HostSettings:
+    """This host's settings: flags (``overrides``, None values ignored) > ``environ``
+    (``MLXPP_*``) > ``config_dir/mlxppd.toml`` (optional) > defaults."""
+    path = config_dir / HOST_FILE
+    file_data, text = _file_layer(path)
+    _check_layer(file_data, lambda exc: validation_error(exc, HostSettings, text, str(path)))
+    env_data = _env_layer(environ)
+
+    def env_error(exc: ValidationError) -> ConfigurationError:
+        error = exc.errors()[0]
+        name = format_key_path(tuple(error["loc"]))
+        return ConfigurationError(
+            f"{error['msg']}; fix or unset the variable",
+            source=f"environment variable {ENV_PREFIX}{name.upper()}",
+        )
+
+    _check_layer(env_data, env_error)
+    flags = {k: v for k, v in (overrides or {}).items() if v is not None}
+
+    def flag_error(exc: ValidationError) -> ConfigurationError:
+        error = exc.errors()[0]
+        name = format_key_path(tuple(error["loc"])).replace("_", "-")
+        return ConfigurationError(f"{error['msg']}", source=f"--{name}")
+
+    _check_layer(flags, flag_error)
+    token = _LAYERS.set((env_data, file_data))
+    try:
+        return HostSettings(**flags)
+    finally:
+        _LAYERS.reset(token)
+
+
+def host_json_schema_text() -> str:
+    """The checked-in ``schemas/mlxppd.schema.json`` text (sorted keys, indent 2)."""
+    import json
+
+    schema = {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": HOST_FILE}
+    schema.update(HostSettings.model_json_schema())
+    return json.dumps(schema, sort_keys=True, indent=2, ensure_ascii=False) + "\n"

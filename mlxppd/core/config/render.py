@@ -1,0 +1,92 @@
+"""The cluster TOML rendered deterministically: the same cluster always gives the same bytes."""
+
+from __future__ import annotations
+
+from mlxppd.core.config.cluster import ClusterConfig, Node
+
+# Static on purpose (determinism: docs/zero-config.md): no hostname, pid or clock, so the same
+# cluster always renders to the same bytes and the file can live in version control.
+CLUSTER_TOML_HEADER = (
+    "# mlxpp cluster configuration (JSON Schema: schemas/cluster.schema.json).\n"
+    "# Rendered with keys and nodes in a fixed order: the same cluster always gives the same\n"
+    "# bytes. Hand edits are fine; the next render restores the order.\n"
+)
+
+
+# -- rendering -------------------------------------------------------------------------------
+
+_ESCAPES = {
+    '"': '\\"',
+    "\\": "\\\\",
+    "\b": "\\b",
+    "\t": "\\t",
+    "\n": "\\n",
+    "\f": "\\f",
+    "\r": "\\r",
+}
+
+
+def _toml_str(text: str) -> str:
+    out = []
+    for ch in text:
+        if ch in _ESCAPES:
+            out.append(_ESCAPES[ch])
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            # TOML forbids raw control characters in basic strings.
+            out.append(f"\\u{ord(ch):04X}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        # repr is the shortest text that reads back as the same float, and always has '.' or 'e'.
+        return repr(value)
+    if isinstance(value, str):
+        return _toml_str(value)
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot render {type(value).__name__} as TOML")
+
+
+def _node_lines(node: Node) -> list[str]:
+    lines = ["[[nodes]]"]
+    # Fixed key order (id, address, role, stage, rank); unset keys are left out.
+    for key in ("id", "address", "role", "stage", "rank"):
+        value = getattr(node, key)
+        if value is not None:
+            lines.append(f"{key} = {_toml_value(str(value) if key == 'role' else value)}")
+    return lines
+
+
+def render_cluster_toml(cfg: ClusterConfig) -> str:
+    """Render ``cfg`` as TOML, byte-identical for equal clusters whatever the node order.
+
+    ``[cluster.elastic]`` is always written, with every key, so the file shows every knob.
+    Nodes: the coordinator first, then stage nodes by (stage, rank).
+    """
+    c = cfg.cluster
+    lines = [CLUSTER_TOML_HEADER.rstrip("\n"), "", "[cluster]"]
+    lines.append(f"name = {_toml_value(c.name)}")
+    lines.append(f"pipeline_parallel_size = {_toml_value(c.pipeline_parallel_size)}")
+    lines.append(f"tensor_parallel_size = {_toml_value(c.tensor_parallel_size)}")
+    lines.append(f"transport_backend = {_toml_value(c.transport_backend)}")
+    if c.secret_file is not None:
+        lines.append(f"secret_file = {_toml_value(c.secret_file)}")
+    if c.layers is not None:
+        lines.append(f"layers = {_toml_value(c.layers)}")
+    if c.kv_budget_bytes is not None:
+        lines.append(f"kv_budget_bytes = {c.kv_budget_bytes}")
+    if c.cpu_weights != "auto":
+        lines.append(f"cpu_weights = {_toml_value(str(c.cpu_weights))}")
+    lines += ["", "[cluster.elastic]"]
+    for key in ("enabled", "drain_timeout_s", "pressure_fraction", "cool_down_s"):
+        lines.append(f"{key} = {_toml_value(getattr(c.elastic, key))}")
+    for node in [cfg.coordinator, *cfg.stage_nodes()]:
+        lines += ["", *_node_lines(node)]
+    return "\n".join(lines) + "\n"

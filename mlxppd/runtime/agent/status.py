@@ -1,0 +1,171 @@
+"""The coordinator's admin controller: the cluster status document, drain, resume, repartition.
+
+The document's shape is docs/admin-api.md's; the HTTP layer adds the health badge. Stage cards
+come from each stage's own status report over the pipeline link, so "process alive" means the
+stage answered just now, and "transport connected" that the coordinator's link to it is up.
+The same controller serves the agent's coordinator and ``mlxppd serve``'s (``CoordinatorView``
+says where each piece of information comes from).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from mlxppd.core.agent.elastic import Trigger
+from mlxppd.core.agent.plan import StageAddress
+from mlxppd.core.protocol.control import StageReport
+from mlxppd.runtime.pipeline.elastic_driver import ElasticDriver
+from mlxppd.runtime.pipeline.gated_backend import GatedBackend
+from mlxppd.runtime.pipeline.stage_loader import configured_budget
+
+if TYPE_CHECKING:
+    from mlxppd.runtime.agent.loop import Agent
+
+ADMIN_HOLD = "admin"
+
+
+@dataclass
+class CoordinatorView:
+    """Where the admin controller reads from; callables, since the parts are replaced live."""
+
+    cluster_name: Callable[[], str]
+    node_id: Callable[[], str]
+    gate: Callable[[], GatedBackend | None]
+    stages: Callable[[], Sequence[StageAddress]]
+    http_address: Callable[[], str]
+    driver: Callable[[], ElasticDriver | None]
+    generation: Callable[[], str] = lambda: ""
+    last_reload_error: Callable[[], str | None] = lambda: None
+    last_error: Callable[[], str | None] = lambda: None
+    reload_failures: Callable[[], int] = lambda: 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class CoordinatorAdmin:
+    """Implements the HTTP layer's ``AdminController``."""
+
+    def __init__(self, view: CoordinatorView) -> None:
+        self.view = view
+
+    async def status(self) -> dict[str, Any]:
+        view = self.view
+        gate = view.gate()
+        live = gate.coordinator if gate is not None else None
+        reports: dict[str, StageReport | None] = {}
+        ready = live is not None and live.connected
+        if live is not None and ready:
+            reports = await live.stage_reports()
+        if ready:
+            detail = "all stages connected"
+        else:
+            detail = view.last_error() or "the pipeline is connecting"
+        driver = view.driver()
+        stages = [_card(i, s, reports.get(s.node_id), live) for i, s in enumerate(view.stages())]
+        coordinator = {
+            "node_id": view.node_id(),
+            "http_address": view.http_address(),
+            "ready": ready,
+            "detail": detail,
+            "admission": gate.admission if gate is not None else "draining",
+            "in_flight": gate.in_flight if gate is not None else 0,
+            "waiting": live.waiting if live is not None else 0,
+            "config_generation": view.generation(),
+            "last_reload_error": view.last_reload_error(),
+            "elastic_state": str(driver.state) if driver is not None else "idle",
+            "reload_failures": view.reload_failures(),
+        }
+        if driver is not None:
+            coordinator["elastic_enabled"] = driver.machine.policy.enabled
+            coordinator["last_repartition_event"] = driver.last_event()
+            coordinator["last_repartition_loads"] = [
+                load.model_dump(mode="json") if load is not None else None
+                for load in driver.last_loads
+            ]
+        return {"cluster": view.cluster_name(), "coordinator": coordinator, "stages": stages}
+
+    async def drain(self) -> dict[str, Any]:
+        gate = self.view.gate()
+        if gate is None:
+            return {"admission": "draining", "in_flight": 0}
+        gate.hold(ADMIN_HOLD, "the cluster is drained by an operator (mlxppctl drain)")
+        return {"admission": gate.admission, "in_flight": gate.in_flight}
+
+    async def resume(self) -> dict[str, Any]:
+        gate = self.view.gate()
+        if gate is None:
+            return {"admission": "draining", "in_flight": 0}
+        gate.release(ADMIN_HOLD)
+        # Other holds (a reload under way) keep admission closed until they end.
+        return {"admission": gate.admission, "in_flight": gate.in_flight}
+
+    async def repartition(
+        self, stage_memory: list[int | None] | None, pp_layers: str | None
+    ) -> dict[str, Any]:
+        driver = self.view.driver()
+        if driver is None:
+            return {
+                "accepted": False,
+                "reason": "disabled",
+                "message": "this coordinator has no pipeline to repartition yet",
+            }
+        return driver.trigger(Trigger.EXPLICIT, stage_memory=stage_memory, pp_layers=pp_layers)
+
+    async def events(self, after: int) -> dict[str, Any]:
+        driver = self.view.driver()
+        if driver is None:
+            return {"state": "idle", "events": []}
+        return {"state": str(driver.state), "events": driver.events_after(after)}
+
+
+def _card(index: int, stage: StageAddress, report: StageReport | None, live: Any) -> dict[str, Any]:
+    card: dict[str, Any] = {
+        "stage": index,
+        "node_id": stage.node_id,
+        "address": f"{stage.host}:{stage.port}",
+        "layers": None,
+        "process_alive": report is not None,
+        "transport_connected": live is not None and live.link_alive(stage.node_id),
+    }
+    if report is None:
+        unknown = ("in_flight", "kv_used_bytes", "kv_budget_bytes", "elastic_state")
+        more = ("config_generation", "last_reload_error", "memory_budget_bytes", "weights", "blas")
+        return card | dict.fromkeys(unknown + more)
+    start, end = report.layers
+    return card | {
+        "layers": f"{start}-{end - 1}",
+        "in_flight": report.active_sequences,
+        "kv_used_bytes": report.kv_used_bytes,
+        "kv_budget_bytes": configured_budget(report.kv_budget_bytes),
+        "elastic_state": report.elastic_state,
+        "config_generation": report.config_generation,
+        "last_reload_error": report.last_reload_error,
+        "memory_budget_bytes": report.memory_budget_bytes,
+        "weights": report.weights,
+        "blas": report.blas,
+    }
+
+
+def agent_admin(agent: Agent) -> CoordinatorAdmin:
+    """The controller of an agent's coordinator."""
+    rt = agent.runtime
+
+    def http() -> str:
+        target = rt.coordinator
+        return f"{target.http_host}:{target.http_port}" if target is not None else ""
+
+    return CoordinatorAdmin(
+        CoordinatorView(
+            cluster_name=lambda: agent.context.cluster.cluster.name if agent.context else "",
+            node_id=lambda: agent.desired.node_id if agent.desired else "",
+            gate=lambda: rt.backend,
+            stages=lambda: rt.coordinator.stages if rt.coordinator is not None else (),
+            http_address=http,
+            driver=lambda: rt.driver,
+            generation=lambda: rt.generation or "",
+            last_reload_error=lambda: agent.last_reload_error,
+            last_error=lambda: agent.last_reconcile_error,
+            reload_failures=lambda: agent.reload_failures,
+        )
+    )

@@ -1,0 +1,137 @@
+"""Starting a node's parts: the one function that starts a stage worker and the one that
+connects a coordinator to its stages.
+
+Every path goes through them: ``mlxppd serve --distributed-config`` (and so the local
+cluster's stage processes and a zero-config peer once assigned) and the agent's
+``NodeRuntime``. What differs between those paths is where the settings come from, never how a
+stage or a coordinator is put together.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mlxppd.core.config.cluster import ClusterConfig
+from mlxppd.core.cpu_weights import CpuWeights
+from mlxppd.core.layer_ranges import LayerRange
+from mlxppd.core.protocol.control import StageExtras
+from mlxppd.core.stages import StageSpec
+from mlxppd.runtime.observability.metrics import PipelineMetrics
+from mlxppd.runtime.pipeline.coordinator import Coordinator
+from mlxppd.runtime.pipeline.stage_loader import layer_preparer, load_stage_runner, stage_kv_manager
+from mlxppd.runtime.pipeline.stage_worker import StageWorker
+from mlxppd.runtime.system.mlx_thread import MlxThread
+from mlxppd.wire.backends import create_transport, wire_config_for
+from mlxppd.wire.secret import ClusterSecret
+
+log = logging.getLogger("mlxppd.node")
+
+
+@dataclass(frozen=True)
+class StageSetup:
+    """Everything a stage worker is built from."""
+
+    cluster: ClusterConfig
+    node_id: str
+    secret: ClusterSecret
+    model_dir: Path
+    model_config: dict[str, Any]
+    spec: StageSpec
+    host: str
+    port: int
+    transport: str
+    kv_budget_bytes: int | None
+    """None: unlimited"""
+    max_sequences: int
+    """sequences the stage holds KV for"""
+    cpu_weights: CpuWeights
+
+
+async def start_stage_worker(
+    setup: StageSetup,
+    mlx: MlxThread,
+    extras: Callable[[], StageExtras] | None = None,
+) -> tuple[StageWorker, tuple[str, int]]:
+    """Load the stage's layers, listen on its address; returns the worker and where it listens."""
+    spec = setup.spec
+    runner, per_token = await load_stage_runner(
+        mlx, setup.model_dir, spec, setup.model_config, weights=setup.cpu_weights
+    )
+    kv = stage_kv_manager(spec, per_token, setup.kv_budget_bytes, setup.max_sequences)
+    transport = create_transport(
+        setup.transport, wire_config_for(setup.cluster, setup.node_id, setup.secret)
+    )
+    prepare = layer_preparer(
+        mlx,
+        setup.model_dir,
+        setup.model_config,
+        setup.kv_budget_bytes,
+        setup.max_sequences,
+        setup.cpu_weights,
+    )
+    worker = StageWorker(spec, runner, kv, transport, mlx, extras=extras, prepare_layers=prepare)
+    address = await worker.start(setup.host, setup.port)
+    log.info(
+        "stage %d (%s) serving layers %d-%d on %s:%d, %.1f MB of parameters",
+        spec.index, setup.node_id, spec.start, spec.end - 1, *address,
+        runner.stage.parameter_bytes / 1e6,
+    )  # fmt: skip
+    return worker, address
+
+
+@dataclass(frozen=True)
+class CoordinatorSetup:
+    """Everything a coordinator's pipeline is built from."""
+
+    cluster: ClusterConfig
+    node_id: str
+    secret: ClusterSecret
+    transport: str
+    plan: tuple[LayerRange, ...]
+    micro_batch_size: int
+    parallel: int
+    warmup: bool
+    """send one 2-token request through every stage before serving"""
+    align: bool = True
+    """move stages that hold other ranges (an earlier repartition's) back to ``plan``"""
+    trace_path: Path | None = None
+    connect_timeout_s: float = 60.0
+
+
+async def start_pipeline_coordinator(
+    setup: CoordinatorSetup,
+    tokenizer: Any,
+    model_id: str,
+    metrics: PipelineMetrics | None,
+) -> Coordinator:
+    """Connect to every stage in order, align their layers to the plan, warm up."""
+    transport = create_transport(
+        setup.transport, wire_config_for(setup.cluster, setup.node_id, setup.secret)
+    )
+    coordinator = Coordinator(
+        setup.cluster,
+        transport,
+        tokenizer,
+        model_id,
+        connect_timeout_s=setup.connect_timeout_s,
+        micro_batch_size=setup.micro_batch_size,
+        parallel=setup.parallel,
+        metrics=metrics,
+        trace_path=setup.trace_path,
+        plan=setup.plan,
+    )
+    try:
+        await coordinator.start(warmup=False)
+        if setup.align and await coordinator.align_stages():
+            # The file's ranges win over an earlier elastic repartition's.
+            log.info("coordinator: moved the stages back to the planned layers")
+        if setup.warmup:
+            await coordinator.warm()
+    except BaseException:
+        await coordinator.close()
+        raise
+    return coordinator

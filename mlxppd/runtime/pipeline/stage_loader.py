@@ -1,0 +1,98 @@
+"""Loading one stage's layers and sizing its KV accounting (shared by serve and the agent)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from mlxppd.core.cpu_weights import CpuWeights
+from mlxppd.core.kv_admission import UNLIMITED_BYTES, StageKvManager
+from mlxppd.core.protocol.control import LayerLoad
+from mlxppd.core.stages import StageSpec
+from mlxppd.engine.blas import blas_in_use
+from mlxppd.engine.families.base import text_config
+from mlxppd.engine.kv_sizing import kv_bytes_per_token
+from mlxppd.engine.stage import load_stage
+from mlxppd.engine.stage_runner import StageRunner
+from mlxppd.runtime.system.mlx_thread import MlxThread
+
+log = logging.getLogger("mlxppd.stage")
+
+
+def configured_budget(reported: object) -> int | None:
+    """A stage report's ``kv_budget_bytes`` as configured: None when it is unlimited."""
+    if reported is None:
+        return None
+    value = int(str(reported))
+    return value if value < UNLIMITED_BYTES else None
+
+
+async def load_stage_runner(
+    mlx: MlxThread,
+    model_dir: Path,
+    spec: StageSpec,
+    config: dict[str, Any],
+    *,
+    reuse: StageRunner | None = None,
+    weights: CpuWeights = CpuWeights.AUTO,
+) -> tuple[StageRunner, int]:
+    """The stage's runner and its KV bytes per token, loaded on the mlx thread.
+
+    ``reuse``: the runner being replaced; its tensors for layers the new spec keeps are taken
+    over, so only the gained layers are read (``runner.stage.loaded_tensors`` counts them)."""
+
+    def load() -> tuple[StageRunner, int]:
+        old = reuse.stage if reuse is not None else None
+        stage = load_stage(model_dir, spec, config, reuse=old, weights_mode=weights)
+        log.info(
+            "stage %d: layers %d-%d, %.1f MB of parameters, weights %s, BLAS %s",
+            spec.index, spec.start, spec.end - 1, stage.parameter_bytes / 1e6,
+            stage.weights_reason, blas_in_use(),
+        )  # fmt: skip
+        per_token = kv_bytes_per_token(stage, int(text_config(config)["hidden_size"]))
+        return StageRunner(stage), per_token
+
+    return await mlx.run(load)
+
+
+def layer_preparer(
+    mlx: MlxThread,
+    model_dir: Path,
+    config: dict[str, Any],
+    budget_bytes: int | None,
+    max_sequences: int,
+    weights: CpuWeights = CpuWeights.AUTO,
+) -> Callable[[StageSpec, StageRunner], Awaitable[tuple[StageRunner, StageKvManager, LayerLoad]]]:
+    """The stage worker's ``prepare_layers``: new layers beside the old, reusing what it can."""
+
+    async def prepare(
+        spec: StageSpec, current: StageRunner
+    ) -> tuple[StageRunner, StageKvManager, LayerLoad]:
+        started = time.monotonic()
+        runner, per_token = await load_stage_runner(
+            mlx, model_dir, spec, config, reuse=current, weights=weights
+        )
+        kv = stage_kv_manager(spec, per_token, budget_bytes, max_sequences)
+        load = LayerLoad(
+            layers=(spec.start, spec.end),
+            loaded_tensors=runner.stage.loaded_tensors,
+            reused_tensors=runner.stage.reused_tensors,
+            load_s=time.monotonic() - started,
+        )
+        return runner, kv, load
+
+    return prepare
+
+
+def stage_kv_manager(
+    spec: StageSpec, bytes_per_token: int, budget_bytes: int | None, max_sequences: int
+) -> StageKvManager:
+    return StageKvManager(
+        stage_index=spec.index,
+        budget_bytes=budget_bytes or UNLIMITED_BYTES,
+        bytes_per_token=bytes_per_token,
+        max_sequences=max_sequences,
+    )
