@@ -775,7 +775,7 @@ def test_render_layout() -> None:
 
 
 def test_header_is_static() -> None:
-    # Spec, Determinism contract: no hostname, pid or clock in the header.
+    # Determinism (docs/zero-config.md): no hostname, pid or clock in the header.
     assert all(line.startswith("# ") for line in CLUSTER_TOML_HEADER.splitlines())
     assert not any(ch.isdigit() for ch in CLUSTER_TOML_HEADER.replace("2020", ""))
 

@@ -1,6 +1,6 @@
 """Zero-config planning (mlxppd.core.zeroconf.plan): peers in, a deterministic cluster TOML out.
 
-The spec's "Zero-Config Startup", "Dry run and operator errors" and "Determinism contract":
+docs/zero-config.md's bring-up, dry run and operator errors, and determinism:
 the same peers in any order give the same bytes, the header carries no host, pid or clock,
 the file reads back through the hand-written TOML path, and every refusal says what to change.
 """

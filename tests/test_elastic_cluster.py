@@ -408,8 +408,9 @@ def test_a_restarted_stage_brings_the_cluster_back_to_the_files_ranges(
 def test_serve_local_cluster_with_enable_elastic_pp(
     tmp_path: Path, model_cache: Path, reference: dict[tuple[str, int], str]
 ) -> None:
-    """The spec's flags on `mlxppd serve`: the coordinator of a --pp-size cluster repartitions
-    when asked through its admin API (signed with the local cluster's fresh secret)."""
+    """The elastic flags on `mlxppd serve` (docs/elastic.md): the coordinator of a --pp-size
+    cluster repartitions when asked through its admin API (signed with the local cluster's
+    fresh secret)."""
     import re
 
     from tests.cluster_support import start_cluster

@@ -66,8 +66,8 @@ EXPORTED = frozenset(
     + tuple(f"{name}{suffix}" for name in _SUMMARIES for suffix in ("_sum", "_count"))
 )
 
-# The spec's five panels: title keywords (all must appear, case-insensitive) and the metric
-# family the panel must query.
+# The dashboard's five key panels: title keywords (all must appear, case-insensitive) and the
+# metric family the panel must query.
 SPEC_PANELS = {
     "per-stage busy fraction": (("busy", "fraction"), "mlxpp_pp_stage_busy_fraction"),
     "mean bubble ratio": (("bubble", "ratio"), "mlxpp_pp_mean_bubble_ratio"),

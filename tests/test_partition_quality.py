@@ -1,4 +1,4 @@
-"""PartitionQualityReport: estimated against loaded bytes per stage, in the spec's format."""
+"""PartitionQualityReport: estimated against loaded bytes per stage (docs/partitioning.md)."""
 
 from __future__ import annotations
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 from aiohttp import web
 
+from mlxppd.app.http_site import http_url, start_site
 from mlxppd.core.agent.plan import CoordinatorTarget
 from mlxppd.http.admin_api import signed_admin_api
 from mlxppd.http.openai_api import create_app
@@ -44,12 +44,7 @@ async def start_agent_http(
         metrics=metrics if context.host.metrics else None,
         admin=admin,
     )
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, target.http_host, target.http_port)
-    await site.start()
-    server: Any = site._server
-    port = server.sockets[0].getsockname()[1] if server and server.sockets else target.http_port
-    url = f"http://{target.http_host}:{port}"
+    runner, port = await start_site(app, target.http_host, target.http_port)
+    url = http_url(target.http_host, port)
     log.info("coordinator: OpenAI API on %s/v1, admin API on %s/admin/v1", url, url)
     return AgentHttp(runner, url)

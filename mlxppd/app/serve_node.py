@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mlxppd.app.http_site import http_url, start_site
 from mlxppd.core.agent.elastic import policy_with
 from mlxppd.core.agent.plan import StageAddress
 from mlxppd.core.cpu_weights import CpuWeights, float32_config
@@ -51,8 +52,6 @@ async def serve_http(
     stop: asyncio.Event | None = None,
     admin: AdminApi | None = None,
 ) -> None:
-    from aiohttp import web
-
     metrics: PipelineMetrics | None = getattr(backend, "metrics", None)
     app = create_app(
         backend,
@@ -61,21 +60,16 @@ async def serve_http(
         metrics=metrics if options.metrics else None,
         admin=admin,
     )
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, options.host, options.port)
-    await site.start()
-    url = f"http://{options.host}:{_bound_port(site, options.port)}"
+    runner, bound = await start_site(app, options.host, options.port)
+    url = http_url(options.host, bound)
     log.info("coordinator: OpenAI API on %s/v1", url)
     runners = [runner]
     if metrics is not None and options.metrics_port is not None:
         # A separate listener, e.g. bound where only the Prometheus server reaches it.
-        metrics_runner = web.AppRunner(create_metrics_app(metrics), access_log=None)
-        await metrics_runner.setup()
-        metrics_site = web.TCPSite(metrics_runner, options.host, options.metrics_port)
-        await metrics_site.start()
+        metrics_runner, port = await start_site(
+            create_metrics_app(metrics), options.host, options.metrics_port
+        )
         runners.append(metrics_runner)
-        port = _bound_port(metrics_site, options.metrics_port)
         log.info("coordinator: metrics on http://%s:%d/metrics", options.host, port)
         write_ready(options.metrics_ready_file, f"http://{options.host}:{port}\n")
     try:
@@ -86,13 +80,6 @@ async def serve_http(
     finally:
         for r in runners:
             await r.cleanup()
-
-
-def _bound_port(site: Any, asked: int) -> int:
-    # port 0 asks the OS for a free port; read back which one it chose
-    server: Any = site._server
-    sockets = server.sockets if server is not None else []
-    return int(sockets[0].getsockname()[1]) if sockets else asked
 
 
 async def run_coordinator_node(options: NodeOptions) -> int:
