@@ -7,8 +7,11 @@ The cluster is ``mlxppd serve --pp-size N`` with default flags (add ``--micro-ba
 checkpoint as stored, on the BLAS its wheel bundles. Prints a markdown table:
 - time to first token of a 417-token chat prompt (streaming over HTTP), both servers;
 - single stream: decode tokens/s of the cluster against ``mlx_lm.server`` and against
-  single-process mlx-lm (``generate_step`` in a child process, no HTTP, its default BLAS);
-- N concurrent streams: aggregate generated tokens/s of both servers on the same N requests.
+  single-process mlx-lm (``generate_step`` in this process, no HTTP, the wheel's BLAS);
+- N concurrent streams: aggregate generated tokens/s of both servers on the same N requests;
+- without ``--cpu-weights``: a second table, prefill and decode tokens/s of the same cluster on
+  the checkpoint's own weights (``--cpu-weights native``) and on float32 (the Linux CPU
+  default), beside ``mlx_lm.server``.
 Goals: time to first token >= 10x faster than mlx_lm.server; single-stream decode >= 0.9x
 mlx-lm; aggregate >= 1.0x mlx_lm.server.
 """
@@ -49,6 +52,7 @@ class StreamResult:
     decode_tps: float
     tokens: int
     wall_s: float
+    prompt_tokens: int = 0
 
 
 def free_port() -> int:
@@ -70,6 +74,7 @@ def stream_chat(base: str, model: str, question: str, max_tokens: int) -> Stream
     first = last = 0.0
     chunks = 0
     tokens = 0
+    prompt_tokens = 0
     with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=600) as r:
         r.raise_for_status()
         for line in r.iter_lines():
@@ -78,6 +83,7 @@ def stream_chat(base: str, model: str, question: str, max_tokens: int) -> Stream
             event = json.loads(line[6:])
             if event.get("usage"):
                 tokens = int(event["usage"]["completion_tokens"])
+                prompt_tokens = int(event["usage"].get("prompt_tokens", 0))
             if any(c.get("delta", {}).get("content") for c in event.get("choices", [])):
                 now = time.perf_counter()
                 first = first or now
@@ -86,7 +92,7 @@ def stream_chat(base: str, model: str, question: str, max_tokens: int) -> Stream
     wall = time.perf_counter() - start
     tokens = tokens or chunks
     decode = (tokens - 1) / (last - first) if last > first and tokens > 1 else 0.0
-    return StreamResult(first - start, decode, tokens, wall)
+    return StreamResult(first - start, decode, tokens, wall, prompt_tokens)
 
 
 def concurrent(base: str, model: str, n: int, max_tokens: int) -> float:
@@ -228,6 +234,13 @@ def main(argv: list[str] | None = None) -> int:
     print("mlx-lm single stream measured", file=sys.stderr)
     ours = run_cluster(model_dir, args, env)
     print("cluster measured", file=sys.stderr)
+    # The same cluster on the checkpoint's own weights: what float32 buys on this host.
+    native = None
+    if args.cpu_weights is None:
+        native = run_cluster(
+            model_dir, argparse.Namespace(**{**vars(args), "cpu_weights": "native"}), env
+        )
+        print("cluster on native weights measured", file=sys.stderr)
     theirs = run_mlx_lm_server(model_dir, args, env)
     print("mlx_lm.server measured", file=sys.stderr)
 
@@ -283,7 +296,31 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---:|---:|---:|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
+    if native is not None:
+        print_weights_table(theirs, native, ours, args)
     return 0
+
+
+def print_weights_table(
+    theirs: ServerRun, native: ServerRun, ours: ServerRun, args: argparse.Namespace
+) -> None:
+    """Prefill (the long prompt's tokens over its time to first token) and decode speed of the
+    same cluster on the checkpoint's weights and on float32 (the default here), same run."""
+    print(f"\nWeights, same run (mlxpp --pp-size {args.pp_size}, otherwise default flags)\n")
+    print("| server | weights | prefill tokens/s | decode tokens/s | prefill vs mlx_lm.server |")
+    print("|---|---|---:|---:|---:|")
+    base = theirs.ttft_long
+    for name, weights, run in (
+        ("mlx_lm.server", "as stored, wheel's BLAS", theirs),
+        ("mlxpp", "native (--cpu-weights native)", native),
+        ("mlxpp", "float32 (auto)", ours),
+    ):
+        long = run.ttft_long
+        prefill = long.prompt_tokens / long.ttft_s if long.prompt_tokens else 0.0
+        print(
+            f"| {name} | {weights} | {prefill:.1f} | {run.single.decode_tps:.2f} "
+            f"| {base.ttft_s / long.ttft_s:.1f}x |"
+        )
 
 
 if __name__ == "__main__":
