@@ -140,6 +140,10 @@ def test_plan_prices_float32_and_refuses_auto(embedded_model_dir: Path) -> None:
     assert native.returncode == 0 and f32.returncode == 0, native.stderr + f32.stderr
     assert "4-bit affine" in native.stdout and "62.0 MiB" in native.stdout
     assert "unquantized (32-bit floats)" in f32.stdout and "310.6 MiB" in f32.stdout
+    short = plan_cli("--cpu-weights", "float32", "--stage-memory", "100MiB")
+    assert short.returncode == 2
+    assert "--cpu-weights native keeps the checkpoint's own, which may fit" in short.stderr
+    assert "may fit" not in plan_cli("--stage-memory", "10MiB").stderr
     auto = plan_cli("--cpu-weights", "auto")
     assert auto.returncode != 0 and "--cpu-weights" in auto.stderr
 

@@ -116,3 +116,4 @@ def test_float32_weights_asked_for_must_fit_the_budgets(
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith("mlxppd: error: --stage-memory: the model does not fit")
     assert "2 stages need at least 621.1 MiB" in line
+    assert "--cpu-weights native keeps the checkpoint's own, which may fit" in line

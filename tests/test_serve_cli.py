@@ -46,3 +46,15 @@ def test_serve_help_explains_the_roles(cli_env: dict[str, str]) -> None:
     assert proc.returncode == 0
     for text in ("--pp-size", "--distributed-config", "--kv-budget-bytes", "--once", "roles:"):
         assert text in proc.stdout
+
+
+def test_the_log_level_reaches_the_stage_processes(cli_env: dict[str, str]) -> None:
+    """--log-level WARNING quiets the whole local cluster, not only the coordinator."""
+    flags = ("--pp-size", "2", "--port", "0", "--max-tokens", "4", "--once", "Hi")
+    quiet = serve(*flags, "--log-level", "WARNING", env=cli_env)
+    assert quiet.returncode == 0, quiet.stderr
+    assert quiet.stdout.strip()
+    assert " INFO " not in quiet.stderr, quiet.stderr
+    chatty = serve(*flags, env=cli_env)
+    assert chatty.returncode == 0, chatty.stderr
+    assert "mlxppd.stage INFO stage 0: layers 0-14" in chatty.stderr

@@ -221,6 +221,7 @@ def run_local_cluster(template: NodeOptions, ranges: tuple[LayerRange, ...]) -> 
         template.kv_budget_bytes,
         template.max_sequences,
         cpu_weights=str(template.cpu_weights) if template.cpu_weights is not None else None,
+        log_level=template.log_level,
     )
     try:
         cluster.start_stages()

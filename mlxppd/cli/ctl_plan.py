@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from mlxppd.core.cpu_weights import CpuWeights, held_config
+from mlxppd.core.cpu_weights import CpuWeights, held_config, with_native_hint
 from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.layer_ranges import parse_pp_layers
 from mlxppd.core.partition.plan import (
@@ -120,7 +120,10 @@ def plan_for(args: argparse.Namespace, config: dict[str, Any]) -> PartitionPlan:
             f"{num_stages} stages requested; use --pp-size 1 or more", source="--pp-size"
         )
     budgets = parse_stage_memory(args.stage_memory, num_stages) if args.stage_memory else None
-    return balance_layers(profile, num_stages, budgets)
+    try:
+        return balance_layers(profile, num_stages, budgets)
+    except ConfigurationError as exc:
+        raise with_native_hint(exc, weights) from None
 
 
 def run(args: argparse.Namespace) -> int:

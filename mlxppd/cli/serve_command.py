@@ -290,6 +290,7 @@ def _node_options(args: argparse.Namespace) -> Any:
         metrics_ready_file=args.metrics_ready_file,
         trace_path=args.debug_pp_trace,
         cpu_weights=args.cpu_weights,
+        log_level=str(args.log_level),
         elastic=tuple(elastic_overrides(args).items()),
     )
 

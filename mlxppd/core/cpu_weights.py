@@ -79,6 +79,18 @@ def resolve_cpu_weights(
     return CpuWeights.FLOAT32, "float32 (auto: CPU host with an optimized BLAS)"
 
 
+def with_native_hint(error: ConfigurationError, mode: CpuWeights) -> ConfigurationError:
+    """A plan that does not fit float32 weights also says the checkpoint's own may fit."""
+    if mode is not CpuWeights.FLOAT32:
+        return error
+    return ConfigurationError(
+        f"{error.message}; the stages hold float32 weights (4 bytes each): "
+        "--cpu-weights native keeps the checkpoint's own, which may fit",
+        source=error.source,
+        key=error.key,
+    )
+
+
 _QUANT_KEYS = ("quantization", "quantization_config")
 _DTYPE_KEYS = ("torch_dtype", "dtype")
 

@@ -22,6 +22,7 @@ class ConfigurationError(MlxppError):
     exit_code = 2
 
     def __init__(self, message: str, *, source: str | None = None, key: str | None = None):
+        self.message = message
         self.source = source
         self.key = key
         where = ""

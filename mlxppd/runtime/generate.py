@@ -12,7 +12,7 @@ from typing import TextIO
 
 import mlx.core as mx
 
-from mlxppd.core.cpu_weights import CpuWeights, held_config
+from mlxppd.core.cpu_weights import CpuWeights, held_config, with_native_hint
 from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.generate_settings import GenerateSettings
 from mlxppd.core.layer_ranges import format_pp_layers, parse_pp_layers
@@ -109,10 +109,10 @@ def run_generate(
         )
     try:
         plan = plan_stages(settings, profile, refusal)
-    except ConfigurationError:
+    except ConfigurationError as exc:
         # auto never turns budgets the checkpoint fits into an error: it keeps the native size.
         if settings.cpu_weights is not CpuWeights.AUTO or weights is CpuWeights.NATIVE:
-            raise
+            raise with_native_hint(exc, weights) from None
         weights, why = CpuWeights.NATIVE, "native (auto: float32 weights do not fit --stage-memory)"
         plan = plan_stages(settings, profile_from_config(config), refusal)
     how = "auto-partitioned by bytes" if plan.auto else "from --pp-layers"

@@ -75,6 +75,7 @@ class LocalCluster:
     kv_budget_bytes: int | None = None
     max_batch_size: int | None = None
     cpu_weights: str | None = None
+    log_level: str = "INFO"
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="mlxpp-local-")))
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
@@ -99,7 +100,7 @@ class LocalCluster:
             cmd += ["--kv-budget-bytes", str(self.kv_budget_bytes)]
         if self.cpu_weights is not None:
             cmd += ["--cpu-weights", self.cpu_weights]
-        return cmd
+        return [*cmd, "--log-level", self.log_level]
 
     def start_stages(self) -> None:
         """Start every stage in ascending order, each listening before the next starts."""

@@ -65,6 +65,8 @@ class NodeOptions:
     metrics_port: int | None = None
     metrics_ready_file: Path | None = None
     trace_path: Path | None = None
+    log_level: str = "INFO"
+    """--log-level, passed on to the stage processes of a local cluster"""
     cpu_weights: CpuWeights | None = None
     """--cpu-weights; None: the cluster TOML's [cluster] cpu_weights"""
     elastic: tuple[tuple[str, Any], ...] = ()
