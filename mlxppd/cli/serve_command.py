@@ -339,16 +339,20 @@ def run(args: argparse.Namespace) -> int:
 def _run_local(args: argparse.Namespace, options: Any, sized: Any) -> int:
     """No cluster TOML: a local cluster of --pp-size stages, or every stage in this process."""
     from mlxppd.app.serve_node import run_inprocess, run_local_cluster
+    from mlxppd.core.cpu_weights import CpuWeights, held_config
     from mlxppd.core.layer_ranges import parse_pp_layers
     from mlxppd.core.partition.plan import balance_layers
     from mlxppd.core.profile.model import profile_from_config, read_model_config
+    from mlxppd.engine.cpu_weights import resolve_for_process
     from mlxppd.engine.families import single_process_reason
     from mlxppd.engine.model_files import resolve_model_dir
     from mlxppd.runtime.system import event_loop
 
     model_dir = resolve_model_dir(args.model)
     config = read_model_config(model_dir)
-    profile = profile_from_config(config)
+    # Every stage runs on this host: balance the layers as the stages will hold them.
+    weights, _ = resolve_for_process(args.cpu_weights or CpuWeights.AUTO, config)
+    profile = profile_from_config(held_config(config, weights))
     if args.pp_layers is not None:
         ranges = parse_pp_layers(args.pp_layers, profile.num_layers, profile.adjacency_groups)
     else:
