@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
+from mlxppd.app.http_site import start_site
 from mlxppd.core.layer_ranges import even_split
 from mlxppd.http.openai_api import create_app
 from mlxppd.runtime.pipeline.inprocess_backend import InProcessBackend
@@ -30,8 +31,12 @@ class LoopThread:
     """An asyncio loop on its own thread serving aiohttp apps on 127.0.0.1; ``stop()`` fails
     the test when tasks are left behind on the loop."""
 
-    def __init__(self, name: str) -> None:
-        self._loop = asyncio.new_event_loop()
+    def __init__(
+        self,
+        name: str,
+        new_loop: Callable[[], asyncio.AbstractEventLoop] = asyncio.new_event_loop,
+    ) -> None:
+        self._loop = new_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=name)
         self._thread.start()
         self._runners: list[web.AppRunner] = []
@@ -44,11 +49,9 @@ class LoopThread:
         """Serve ``app`` on a free port; its base URL."""
 
         async def start() -> str:
-            runner = web.AppRunner(app)
-            await runner.setup()
-            await web.TCPSite(runner, "127.0.0.1", 0).start()
+            runner, port = await start_site(app, "127.0.0.1", 0)  # the nodes' own listener
             self._runners.append(runner)
-            return f"http://127.0.0.1:{runner.addresses[0][1]}"
+            return f"http://127.0.0.1:{port}"
 
         return self.call(start())
 

@@ -22,7 +22,8 @@ from mlxppd.wire.admin_auth import AdminVerifier, admin_key, sign_request
 from tests.http_support import LoopThread, request
 
 T = TypeVar("T")
-SECRET = b"test cluster secret, 32 bytes.."
+SECRET = b"5d1f0c9a7e3b2d4c6a8e0f1a2b3c4d5e"
+CLUSTER = "mlxpp-cluster"
 API_KEY = "sk-openai-test"
 MiB = 1024 * 1024
 
@@ -124,13 +125,13 @@ class AdminServer(LoopThread):
         secret: bytes = SECRET,
         *,
         clock: Callable[[], float] = time.time,
+        cluster: str = CLUSTER,
     ) -> None:
         super().__init__("admin-test-loop")
         self.controller = controller
         self.failures: list[str] = []
-        admin = AdminApi(
-            controller, AdminVerifier(admin_key(secret), clock=clock), self.failures.append
-        )
+        verifier = AdminVerifier(admin_key(secret), cluster_name=cluster, clock=clock)
+        admin = AdminApi(controller, verifier, self.failures.append)
         try:
             self.url = self.serve(create_app(IdleBackend(), api_key=API_KEY, admin=admin))
         except BaseException:
@@ -151,6 +152,10 @@ def server() -> Iterator[AdminServer]:
         yield live
 
 
+def host_of(server: AdminServer) -> str:
+    return server.url.split("://", 1)[1]
+
+
 def signed(
     url: str,
     method: str,
@@ -159,17 +164,31 @@ def signed(
     key: bytes = admin_key(SECRET),
     body: bytes = b"",
     header: str | None = None,
+    cluster: str = CLUSTER,
+    host: str | None = None,
 ) -> tuple[int, dict[str, str], Any]:
-    auth = header or sign_request(key, method, path, body, now=time.time())
-    return request(url, method, path, raw=body, headers={"Authorization": auth}, timeout=30)
+    """One request signed for ``cluster`` and ``host`` (default: the URL's host:port), sent
+    with that Host header."""
+    host = host or url.split("://", 1)[1]
+    auth = header or sign(key, method, path, body, cluster=cluster, host=host)
+    headers = {"Authorization": auth, "Host": host}
+    return request(url, method, path, raw=body, headers=headers, timeout=30)
 
 
-def assert_refused(response: tuple[int, dict[str, str], Any], reason: str) -> None:
+def sign(
+    key: bytes, method: str, path: str, body: bytes = b"", *, cluster: str = CLUSTER, host: str
+) -> str:
+    return sign_request(key, method, path, body, now=time.time(), cluster=cluster, host=host)
+
+
+def assert_refused(
+    response: tuple[int, dict[str, str], Any], reason: str, cluster: str = CLUSTER
+) -> None:
     status, headers, body = response
     assert status == 401, body
     assert body["error"]["type"] == "authentication_error"
     assert body["error"]["code"] == reason
-    assert headers["WWW-Authenticate"] == "MLXPP-HMAC"
+    assert headers["WWW-Authenticate"] == f'MLXPP-HMAC cluster="{cluster}"'
 
 
 # --- signed requests work ---
@@ -218,8 +237,8 @@ def test_an_unsigned_request_is_refused_and_counted(server: AdminServer) -> None
 def test_a_wrong_key_is_refused_counted_and_logged_without_the_header(
     server: AdminServer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    wrong = admin_key(b"some other cluster's secret!!!!!")
-    header = sign_request(wrong, "POST", "/admin/v1/drain", b"", now=time.time())
+    wrong = admin_key(b"0f1e2d3c4b5a69788796a5b4c3d2e1f0")
+    header = sign(wrong, "POST", "/admin/v1/drain", host=host_of(server))
     with caplog.at_level(logging.WARNING, logger="mlxppd.http.admin"):
         assert_refused(signed(server.url, "POST", "/admin/v1/drain", header=header), "bad_mac")
     assert server.controller.admission == "open"
@@ -231,7 +250,7 @@ def test_a_wrong_key_is_refused_counted_and_logged_without_the_header(
 
 
 def test_a_replayed_request_is_refused_and_counted(server: AdminServer) -> None:
-    header = sign_request(admin_key(SECRET), "POST", "/admin/v1/drain", b"", now=time.time())
+    header = sign(admin_key(SECRET), "POST", "/admin/v1/drain", host=host_of(server))
     assert signed(server.url, "POST", "/admin/v1/drain", header=header)[0] == 200
     server.controller.admission = "open"
     assert_refused(signed(server.url, "POST", "/admin/v1/drain", header=header), "replayed")
@@ -240,8 +259,59 @@ def test_a_replayed_request_is_refused_and_counted(server: AdminServer) -> None:
 
 
 def test_a_signature_for_another_route_is_refused(server: AdminServer) -> None:
-    header = sign_request(admin_key(SECRET), "POST", "/admin/v1/resume", b"", now=time.time())
+    header = sign(admin_key(SECRET), "POST", "/admin/v1/resume", host=host_of(server))
     assert_refused(signed(server.url, "POST", "/admin/v1/drain", header=header), "bad_mac")
+
+
+# --- the signature is bound to the cluster and to this server's address ---
+
+
+def test_a_signature_for_another_cluster_is_refused_and_the_challenge_names_this_one() -> None:
+    with AdminServer(ScriptedCluster(), cluster="cluster-b") as live:
+        response = signed(live.url, "POST", "/admin/v1/drain", cluster="cluster-a")
+        assert_refused(response, "bad_mac", cluster="cluster-b")
+        assert live.controller.admission == "open"
+        assert signed(live.url, "POST", "/admin/v1/drain", cluster="cluster-b")[0] == 200
+
+
+def test_a_signature_for_another_port_is_refused_as_wrong_host() -> None:
+    """Two coordinators on one host with one secret and one name: a request signed for the
+    first, replayed to the second with its Host intact, is refused."""
+    with AdminServer(ScriptedCluster()) as first, AdminServer(ScriptedCluster()) as second:
+        header = sign(admin_key(SECRET), "POST", "/admin/v1/drain", host=host_of(first))
+        replay = signed(second.url, "POST", "/admin/v1/drain", header=header, host=host_of(first))
+        assert_refused(replay, "wrong_host")
+        assert second.controller.admission == "open"
+        assert second.failures == ["wrong_host"]
+        # Sent where it was signed for, the same header is accepted.
+        assert signed(first.url, "POST", "/admin/v1/drain", header=header)[0] == 200
+
+
+def test_a_signature_for_another_host_is_refused_as_wrong_host(server: AdminServer) -> None:
+    # 192.0.2.1 (TEST-NET-1) is no address of this machine.
+    other = f"192.0.2.1:{server.port}"
+    assert_refused(signed(server.url, "GET", "/admin/v1/status", host=other), "wrong_host")
+    assert server.failures == ["wrong_host"]
+
+
+def test_a_rewritten_host_header_breaks_the_signature(server: AdminServer) -> None:
+    header = sign(admin_key(SECRET), "GET", "/admin/v1/status", host=f"192.0.2.1:{server.port}")
+    response = signed(server.url, "GET", "/admin/v1/status", header=header)
+    assert_refused(response, "bad_mac")
+
+
+def test_localhost_names_this_server_too(server: AdminServer) -> None:
+    status, _, body = signed(server.url, "GET", "/admin/v1/status", host=f"localhost:{server.port}")
+    assert status == 200, body
+
+
+def test_the_challenge_route_is_unsigned_and_names_the_cluster() -> None:
+    with AdminServer(ScriptedCluster(), cluster="lab-7") as live:
+        status, headers, body = request(live.url, "GET", "/admin/v1/challenge", timeout=30)
+        assert status == 200
+        assert body == {"scheme": "MLXPP-HMAC", "cluster": "lab-7"}
+        assert headers["Cache-Control"] == "no-store"
+        assert live.failures == []
 
 
 def test_a_stale_signature_is_refused() -> None:

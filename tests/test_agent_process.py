@@ -24,6 +24,7 @@ def config_dir(tmp_path: Path) -> Path:
     etc = tmp_path / "etc"
     etc.mkdir()
     (etc / "cluster.secret").write_text("process-test-secret-0123456789\n")
+    (etc / "cluster.secret").chmod(0o600)  # a secret readable by others is refused
     nodes = node_tables(*(f"127.0.0.1:{free_port()}" for _ in range(3)))
     (etc / "cluster.toml").write_text(CLUSTER + nodes)
     (etc / "mlxppd.toml").write_text('node_id = "stage-1"\n')

@@ -273,6 +273,39 @@ def test_cluster_name_must_not_be_empty(tmp_path: Path, name: str) -> None:
     _refused(tmp_path, _toml({"name": name}), "cluster.name", "the cluster name is empty")
 
 
+@pytest.mark.parametrize(
+    ("name", "suggestion"),
+    [("my cluster", "my-cluster"), ("lab/a", "lab-a"), ("café", "caf"), ("x" * 256, "x" * 255)],
+)
+def test_the_cluster_name_obeys_the_node_id_rules(
+    tmp_path: Path, name: str, suggestion: str
+) -> None:
+    message = _refused(
+        tmp_path,
+        _toml({"name": name}),
+        "cluster.name",
+        "letters, digits, '.', '_' and '-'",
+        "1 to 255 characters",
+        "handshake",
+        f'rename it, e.g. name = "{suggestion}"',
+    )
+    assert "(line 2)" in message
+
+
+def test_a_cluster_name_of_255_allowed_characters_is_accepted() -> None:
+    name = "A-z_0.9" + "x" * 248
+    assert parse_cluster_config(_toml({"name": name}), "t").cluster.name == name
+
+
+def test_a_node_id_is_at_most_255_characters(tmp_path: Path) -> None:
+    _refused(
+        tmp_path,
+        _toml(nodes=_with(_STAGES_2, 1, id="n" * 256)),
+        "nodes[1].id",
+        "1 to 255 characters",
+    )
+
+
 def test_missing_cluster_table(tmp_path: Path) -> None:
     text = _toml().split("\n\n", 1)[1]
     _refused(tmp_path, text, "cluster", "required key missing; add a [cluster] table")
@@ -821,7 +854,7 @@ def _configs(draw: st.DrawFn) -> ClusterConfig:
         layers = [f"{s}-{s + n - 1}" for s, n in zip(starts, sizes, strict=True)]
     seconds = st.floats(0, 1e6, allow_nan=False, allow_infinity=False)
     cluster = {
-        "name": draw(_NAME),
+        "name": draw(_ID),
         "pipeline_parallel_size": pp,
         "tensor_parallel_size": tp,
         "transport_backend": draw(st.sampled_from(["tcp", "thunderbolt", "rdma"])),

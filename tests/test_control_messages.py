@@ -202,7 +202,7 @@ def _worker() -> tuple[StageWorker, MlxThread]:
         stage=SimpleNamespace(parameter_bytes=1234, weights="native"),
         release=lambda seq: None,
         release_all=lambda: None,
-        set_sampling=lambda *args: None,
+        set_sampler=lambda *args: None,
     )
     kv = StageKvManager(stage_index=0, budget_bytes=1 << 20, bytes_per_token=16, max_sequences=4)
     mlx = MlxThread("test-mlx")

@@ -153,3 +153,36 @@ def test_config_error_names_the_source() -> None:
 
     with pytest.raises(ConfigurationError, match="--cpu-weights"):
         parse_cpu_weights("bf16")
+
+
+def _host(tmp: Path, meminfo: str | None, cgroup: str, limit: str | None, used: int) -> Path:
+    """A /proc and /sys/fs/cgroup as a unit sees them; returns the fake root."""
+    proc = tmp / "proc"
+    (proc / "self").mkdir(parents=True)
+    if meminfo is not None:
+        (proc / "meminfo").write_text(meminfo)
+    (proc / "self" / "cgroup").write_text(f"0::{cgroup}\n")
+    group = tmp / "cgroup" / cgroup.lstrip("/")
+    group.mkdir(parents=True)
+    if limit is not None:
+        (group / "memory.max").write_text(f"{limit}\n")
+        (group / "memory.current").write_text(f"{used}\n")
+    return tmp
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads Linux's /proc and cgroup v2 files")
+def test_free_memory_comes_from_meminfo_capped_by_the_units_memory_max(tmp_path: Path) -> None:
+    from mlxppd.engine.cpu_weights import available_memory_bytes
+
+    gib = 1 << 30
+    meminfo = "MemTotal: 33554432 kB\nMemAvailable: 16777216 kB\n"
+    root = _host(tmp_path / "a", meminfo, "/system.slice/mlxppd.service", "max", 0)
+    assert available_memory_bytes(root / "proc", root / "cgroup") == 16 * gib
+    root = _host(tmp_path / "b", meminfo, "/system.slice/mlxppd.service", str(6 * gib), gib)
+    assert available_memory_bytes(root / "proc", root / "cgroup") == 5 * gib
+    # ProcSubset=pid hides /proc/meminfo: the free pages stand in, still under memory.max.
+    root = _host(tmp_path / "c", None, "/system.slice/mlxppd.service", str(2 * gib), 0)
+    hidden = available_memory_bytes(root / "proc", root / "cgroup")
+    assert hidden is not None and 0 < hidden <= 2 * gib
+    root = _host(tmp_path / "d", None, "/", None, 0)
+    assert available_memory_bytes(root / "proc", root / "cgroup") is not None

@@ -9,11 +9,13 @@ import shutil
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from aiohttp import web
 
+from tests.http_support import LoopThread
 from tests.test_admin_api import SECRET, AdminServer, ScriptedCluster
 
 MLXPPCTL = [sys.executable, "-m", "mlxppd.cli.mlxppctl_main"]
@@ -174,13 +176,14 @@ def test_drain_and_resume_change_admission(
 def test_a_wrong_secret_exits_3_saying_to_check_the_secret(
     server: AdminServer, tmp_path: Path, env: dict[str, str]
 ) -> None:
-    wrong = write_secret(tmp_path / "wrong.secret", b"not this cluster's secret at all")
+    wrong = write_secret(tmp_path / "wrong.secret", b"a0b1c2d3e4f5061728394a5b6c7d8e9f")
     proc = mlxppctl("drain", "--url", server.url, "--cluster-secret-file", str(wrong), env=env)
     line = one_line_error(proc, 3)
     assert "refused the signature" in line
     assert "cluster secret" in line and str(wrong) in line
     assert server.controller.admission == "open"
     assert server.failures == ["bad_mac"]
+    assert "serves cluster" not in line  # the same cluster name: the secret is what differs
 
 
 def test_an_unreachable_coordinator_exits_3_saying_to_check_the_url(
@@ -248,7 +251,7 @@ def test_the_config_dir_gives_the_address_and_the_clusters_secret(
 def test_the_hosts_secret_file_overrides_the_clusters(
     server: AdminServer, secret_file: Path, tmp_path: Path, env: dict[str, str]
 ) -> None:
-    stale = write_secret(tmp_path / "old.secret", b"an old secret nobody uses anymore")
+    stale = write_secret(tmp_path / "old.secret", b"0123456789abcdef0123456789abcdef")
     # A relative secret_file in mlxppd.toml is relative to the config directory.
     shutil.copy(secret_file, tmp_path / "host.secret")
     directory = config_dir(tmp_path, server.port, stale, 'secret_file = "../host.secret"\n')
@@ -260,7 +263,7 @@ def test_the_hosts_secret_file_overrides_the_clusters(
 def test_a_refusal_names_the_config_files_secret(
     server: AdminServer, tmp_path: Path, env: dict[str, str]
 ) -> None:
-    stale = write_secret(tmp_path / "old.secret", b"an old secret nobody uses anymore")
+    stale = write_secret(tmp_path / "old.secret", b"0123456789abcdef0123456789abcdef")
     directory = config_dir(tmp_path, server.port, stale)
     line = one_line_error(mlxppctl("status", "--config-dir", str(directory), env=env), 3)
     assert "[cluster] secret_file" in line and str(stale) in line
@@ -281,3 +284,113 @@ def test_help_shows_examples() -> None:
     assert proc.returncode == 0
     assert "examples:" in proc.stdout and "--cluster-secret-file" in proc.stdout
     assert "exit status" in proc.stdout
+
+
+# --- the cluster name the signature is bound to ---
+
+
+def test_a_signature_for_another_cluster_name_says_which_cluster_answered(
+    server: AdminServer, secret_file: Path, env: dict[str, str]
+) -> None:
+    target = ("--url", server.url, "--cluster-secret-file", str(secret_file))
+    line = one_line_error(mlxppctl("drain", *target, "--cluster-name", "staging", env=env), 3)
+    assert "serves cluster 'mlxpp-cluster'" in line
+    assert "signed for cluster 'staging' (from --cluster-name)" in line
+    assert "--cluster-name mlxpp-cluster" in line
+    assert server.controller.admission == "open"
+    proc = mlxppctl("drain", *target, "--cluster-name", "mlxpp-cluster", env=env)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_a_cluster_name_against_the_node_id_rules_exits_2(
+    secret_file: Path, env: dict[str, str]
+) -> None:
+    proc = mlxppctl(
+        "status", "--url", "http://127.0.0.1:9", "--cluster-secret-file", str(secret_file),
+        "--cluster-name", "my cluster", env=env,
+    )  # fmt: skip
+    line = one_line_error(proc, 2)
+    assert "--cluster-name" in line and "letters, digits" in line
+
+
+def test_the_config_dirs_cluster_name_is_signed_for(
+    server: AdminServer, secret_file: Path, tmp_path: Path, env: dict[str, str]
+) -> None:
+    directory = config_dir(tmp_path, server.port, secret_file)
+    cluster = directory / "cluster.toml"
+    cluster.write_text(cluster.read_text().replace('name = "mlxpp-cluster"', 'name = "prod-2"'))
+    line = one_line_error(mlxppctl("status", "--config-dir", str(directory), env=env), 3)
+    assert f"signed for cluster 'prod-2' (from [cluster] name in {cluster})" in line
+
+
+# --- secret files ---
+
+
+def test_a_secret_file_others_can_read_is_refused_unless_allowed(
+    server: AdminServer, secret_file: Path, env: dict[str, str]
+) -> None:
+    secret_file.chmod(0o644)
+    target = ("--url", server.url, "--cluster-secret-file", str(secret_file))
+    line = one_line_error(mlxppctl("status", *target, env=env), 2)
+    assert str(secret_file) in line and f"chmod 600 {secret_file}" in line
+    assert "--allow-loose-secret-file" in line
+    proc = mlxppctl("status", *target, "--allow-loose-secret-file", env=env)
+    assert proc.returncode == 0, proc.stderr
+    proc = mlxppctl("status", *target, env={**env, "MLXPP_ALLOW_LOOSE_SECRET_FILE": "1"})
+    assert proc.returncode == 0, proc.stderr
+
+
+# --- redirects are reported, never followed with a signature ---
+
+
+class Recorder(LoopThread):
+    """A tiny aiohttp server on loopback that records each request and answers with
+    ``answer(request)``."""
+
+    def __init__(self, answer: Callable[[web.Request], web.StreamResponse]) -> None:
+        super().__init__("recorder-loop")
+        self.seen: list[tuple[str, str, str | None]] = []
+
+        async def handle(request: web.Request) -> web.StreamResponse:
+            self.seen.append(
+                (request.method, request.path_qs, request.headers.get("Authorization"))
+            )
+            return answer(request)
+
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", handle)
+        self.url = self.serve(app)
+
+    def __enter__(self) -> Recorder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@pytest.mark.parametrize(
+    "named", [False, True], ids=["name from the coordinator", "--cluster-name"]
+)
+def test_a_redirect_is_an_error_naming_the_location_and_is_never_followed(
+    secret_file: Path, env: dict[str, str], named: bool
+) -> None:
+    with (
+        Recorder(lambda _: web.json_response({"cluster": "mlxpp-cluster"})) as elsewhere,
+        Recorder(
+            lambda r: web.Response(status=307, headers={"Location": elsewhere.url + r.path_qs})
+        ) as redirecting,
+    ):
+        flags = ["--cluster-name", "mlxpp-cluster"] if named else []
+        # A GET: urllib itself would follow a 307 for it, Authorization header and all.
+        proc = mlxppctl(
+            "status", "--url", redirecting.url, "--cluster-secret-file", str(secret_file), *flags,
+            env=env,
+        )  # fmt: skip
+        line = one_line_error(proc, 3)
+        expected = "/admin/v1/status" if named else "/admin/v1/challenge"
+        assert f"answered HTTP 307 redirecting to {elsewhere.url}{expected}" in line
+        assert "never sends a signed request on" in line
+        assert elsewhere.seen == []
+        [(method, path, auth)] = redirecting.seen
+        assert (method, path) == ("GET", expected)
+        assert (auth is not None) is named  # the probe for the name carries no signature

@@ -153,6 +153,7 @@ def cluster(
     root = tmp_path_factory.mktemp("elastic")
     (root / "cluster.secret").write_text("elastic-test-secret-0123456789abcdef\n")
     (root / "cluster.secret").chmod(0o600)
+    (root / "cluster.secret").chmod(0o600)
     ports = [free_port() for _ in range(3)]
     http = free_port()
     env = {**os.environ, "MLXPP_MODEL_CACHE": str(model_cache), "HF_HUB_OFFLINE": "1"}

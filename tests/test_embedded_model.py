@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from mlxppd.engine.embedded import EMBEDDED_MODEL_NAME, ensure_embedded_model
+
+REPO = Path(__file__).resolve().parents[1]
+NOBODY = 65534
 
 
 def test_converted_directory_loads_in_mlx_lm_and_answers(embedded_model_dir: Path) -> None:
@@ -105,3 +113,34 @@ def test_models_path_prints_the_directory(
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     assert out.strip() == str(embedded_model_dir)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switches to an unprivileged user: needs root")
+def test_a_read_only_gguf_converts_for_an_unprivileged_service_user() -> None:
+    """mlx's GGUF reader opens its file for writing; a service user converting from a package
+    installed read-only must still get the model (it reads a private copy)."""
+    from mlxppd.engine.embedded import embedded_gguf_path
+
+    # Outside pytest's root-only tmp tree: the service user must reach these directories.
+    work = Path(tempfile.mkdtemp(prefix="mlxpp-ro-"))
+    try:
+        work.chmod(0o755)
+        gguf = work / embedded_gguf_path().name
+        shutil.copyfile(embedded_gguf_path(), gguf)
+        gguf.chmod(0o444)
+        out = work / "out"
+        out.mkdir()
+        os.chown(out, NOBODY, NOBODY)
+        script = (
+            "import sys; from pathlib import Path; from mlxppd.engine.embedded import "
+            "convert_gguf; convert_gguf(Path(sys.argv[1]), Path(sys.argv[2]), lambda s: None)"
+        )
+        subprocess.run(
+            ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+             sys.executable, "-c", script, str(gguf), str(out)],
+            check=True, cwd=REPO, timeout=600,
+        )  # fmt: skip
+        assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 30
+        assert (out / "model.safetensors").stat().st_size > 0
+    finally:
+        shutil.rmtree(work)

@@ -52,6 +52,7 @@ _PLAIN = (
     "mlxpp_generation_tokens_total",
     "mlxpp_transport_handshake_failures_total",
     "mlxpp_transport_rejected_frames_total",
+    "mlxpp_transport_preauth_refused_total",
     "mlxpp_rdma_fallbacks_total",
     "mlxpp_config_reload_failures_total",
 )

@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 
-from mlxppd.http.completion import StopMatcher
 from mlxppd.runtime.pipeline.backend import BackendUnavailable, SamplingParams, TokenEvent
 from tests.http_support import LiveServer, open_stream, post, request, sse_events, stream
 
@@ -286,7 +285,7 @@ def test_bad_json_big_body_unknown_model_and_long_prompt(servers: dict[int, Live
     assert status == 404 and "error" in body
 
 
-def test_kv_admission_rejection_is_a_503_with_the_diagnostic(
+def test_kv_admission_rejection_is_a_400_when_it_can_never_fit_and_a_503_when_it_can_later(
     embedded_model_dir: Path, servers: dict[int, LiveServer]
 ) -> None:
     per_token = max(m.bytes_per_token for m in servers[2].backend.kv)
@@ -298,9 +297,10 @@ def test_kv_admission_rejection_is_a_503_with_the_diagnostic(
             status, answer = sender(url, CHAT, {"messages": long, "max_tokens": 8})
             if sender is stream:
                 answer = answer[0]
-            assert status == 503, answer
+            # More than the whole budget: retrying cannot help, so no Retry-After and a 400.
+            assert status == 400, answer
             error = answer["error"]
-            assert error["code"] == "kv_admission_rejected"
+            assert error["code"] == "context_length_exceeded"
             assert error["stage"] == 0
             assert error["reason"] == "memory"
             assert error["budget_bytes"] == per_token * BUDGET_TOKENS
@@ -308,8 +308,26 @@ def test_kv_admission_rejection_is_a_503_with_the_diagnostic(
             assert error["active_sequences"] == 0
             assert error["required_bytes"] > error["budget_bytes"]
         status, headers, _ = request(url, "POST", CHAT, {"messages": long, "max_tokens": 8})
-        assert status == 503 and headers["Retry-After"] == "1"
-        status, body = chat(url, FRANCE, max_tokens=8)
+        assert status == 400 and "Retry-After" not in headers
+        # A request that fits an empty budget but not beside one holding most of it: a 503.
+        holder, response = open_stream(url, CHAT, {"messages": FRANCE, "max_tokens": 40})
+        try:
+            assert response.status == 200
+            status, headers, body = request(
+                url, "POST", CHAT, {"messages": FRANCE, "max_tokens": 40}
+            )
+            assert status == 503, body
+            assert body["error"]["code"] == "kv_admission_rejected"
+            assert body["error"]["required_bytes"] <= body["error"]["budget_bytes"]
+            assert headers["Retry-After"] == "1"
+        finally:
+            holder.close()
+        # The server notices the closed stream and frees its KV; then the next one is served.
+        deadline = time.monotonic() + 60
+        while (answer := chat(url, FRANCE, max_tokens=8))[0] == 503:
+            assert time.monotonic() < deadline, answer
+            time.sleep(0.1)
+        status, body = answer
         assert status == 200, body
         assert body["choices"][0]["message"]["content"].startswith("The capital of France")
     finally:
@@ -456,17 +474,3 @@ def test_models_health_and_alias(servers: dict[int, LiveServer]) -> None:
     assert headers["X-Request-Id"].startswith("req-")
     status, body = chat(url, FRANCE, model="my-model", max_tokens=3)
     assert status == 200 and body["model"] == "my-model"
-
-
-# --- pure pieces ---
-
-
-def test_stop_matcher() -> None:
-    m = StopMatcher(["is Paris", "\n\n"])
-    assert m.holdback("The capital is") == 2
-    assert m.holdback("The capital is P") == 4
-    assert m.holdback("end\n") == 1
-    assert m.holdback("nothing") == 0
-    assert m.find("France is Paris.", 0) == 7
-    assert m.find("a\n\nb", 0) == 1
-    assert StopMatcher([]).holdback("anything") == 0

@@ -131,8 +131,10 @@ def test_a_forced_rejection_is_counted_logged_and_explained(
 ) -> None:
     running, _, _ = traced
     rejected = ask(running.url, "word " * 1000)
-    assert rejected.status_code == 503
+    # More than a stage's whole budget: a 400 (retrying cannot help), still counted as a rejection.
+    assert rejected.status_code == 400
     error = rejected.json()["error"]
+    assert error["code"] == "context_length_exceeded"
     for key in ("stage", "reason", "used_bytes", "budget_bytes", "active_sequences"):
         assert key in error
     samples = scrape(running.url)

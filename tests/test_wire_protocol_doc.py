@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import ast
-import re
 from enum import IntEnum
 from pathlib import Path
 
 import pytest
 
-from mlxppd.wire import handshake, record, secret, version
+from mlxppd.wire import handshake, record, secret, streams, version
 from mlxppd.wire.codec import MESSAGE_HEADER, MessageKind
 from mlxppd.wire.dtypes import DTYPES
-from mlxppd.wire.errors import FrameRejectReason, HandshakeFailure
+from mlxppd.wire.errors import FrameRejectReason, HandshakeFailure, PreauthRefusal
 from mlxppd.wire.handshake import AbortReason, HandshakeType, Verdict
 from mlxppd.wire.limits import MAX_NDIM, FrameLimits
 from mlxppd.wire.rdma import negotiate_rdma
@@ -42,6 +41,7 @@ CODE_CONSTANTS = {
     "DEFAULT_MAX_FRAME_BYTES": FrameLimits().max_frame_bytes,
     "DEFAULT_MAX_METADATA_BYTES": FrameLimits().max_metadata_bytes,
     "MIN_SECRET_BYTES": secret.MIN_SECRET_BYTES,
+    "HANDSHAKE_BUFFER_BYTES": streams.HANDSHAKE_BUFFER_BYTES,
 }
 
 
@@ -90,6 +90,8 @@ def test_every_failure_reason_is_documented_and_nothing_else() -> None:
     rows = [(r[0], _unquote(r[1])) for r in table[2:]]
     assert {r for c, r in rows if c == "handshake_failures"} == {f.value for f in HandshakeFailure}
     assert {r for c, r in rows if c == "rejected_frames"} == {r.value for r in FrameRejectReason}
+    assert {r for c, r in rows if c == "preauth_refused"} == {r.value for r in PreauthRefusal}
+    assert {c for c, _ in rows} == {"handshake_failures", "rejected_frames", "preauth_refused"}
 
 
 def test_the_layout_tables_match_the_struct_formats() -> None:
@@ -115,4 +117,6 @@ def test_the_documented_log_lines_are_the_ones_the_code_writes() -> None:
 def test_the_secret_sources_are_documented_in_lookup_order() -> None:
     positions = [DOC.index(f"{i}. `{source}") for i, source in enumerate(secret.SECRET_SOURCES, 1)]
     assert positions == sorted(positions)
-    assert re.search(r"at least 16 bytes", DOC)
+    assert f"hex of at least {secret.MIN_HEX_DIGITS} digits" in DOC
+    assert f"at least {secret.MIN_BASE64_CHARS} characters" in DOC
+    assert f"at least {secret.MIN_SECRET_BYTES} of them" in DOC

@@ -97,10 +97,10 @@ def test_a_missing_secret_is_a_start_up_error_listing_the_four_sources_in_order(
 
 
 @pytest.mark.parametrize("where", ["flag", "file variable", "value variable", "toml"])
-def test_a_short_secret_is_a_start_up_error_listing_the_four_sources(
+def test_a_short_secret_is_a_start_up_error_naming_where_it_came_from_and_the_fix(
     tmp_path: Path, where: str
 ) -> None:
-    short = "tooShort15bytes"  # 15 bytes
+    short = "tooShort15bytes"  # 15 base64 characters: 90 bits at most
     path = _write(tmp_path / "short.secret", short + "\n")
     kwargs: dict[str, object] = {"environ": {}}
     if where == "flag":
@@ -111,10 +111,15 @@ def test_a_short_secret_is_a_start_up_error_listing_the_four_sources(
         kwargs["environ"] = {"MLXPP_CLUSTER_SECRET": short}
     else:
         kwargs["config_secret_file"] = str(path)
-    with pytest.raises(ConfigurationError, match="is 15 bytes") as error:
+    with pytest.raises(ConfigurationError, match="15 characters, at most 90 bits") as error:
         load_cluster_secret(**kwargs)  # type: ignore[arg-type]
-    _assert_lists_the_four_sources_in_order(str(error.value))
-    assert short not in str(error.value)  # not even a wrong secret is shown
+    message = str(error.value)
+    origin = {"flag": "--cluster-secret-file", "file variable": "MLXPP_CLUSTER_SECRET_FILE"}
+    origin |= {"value variable": "MLXPP_CLUSTER_SECRET", "toml": "[cluster] secret_file"}
+    assert f"the cluster secret from {origin[where]}" in message
+    assert "too weak" in message and "`mlxppctl secret new PATH`" in message
+    assert error.value.exit_code == 2
+    assert short not in message  # not even a wrong secret is shown
 
 
 def test_an_unreadable_secret_file_names_the_file_and_where_it_was_named(tmp_path: Path) -> None:
@@ -132,13 +137,18 @@ def test_the_secret_is_the_file_content_without_surrounding_whitespace(tmp_path:
     assert GOOD not in repr(secret) and GOOD not in str(secret)
 
 
-def test_a_secret_file_others_can_read_is_used_with_a_warning(
+def test_a_secret_file_others_can_read_is_refused_unless_allowed(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     path = _write(tmp_path / "s", GOOD)
     path.chmod(0o644)
-    with caplog.at_level(logging.WARNING):
+    with pytest.raises(ConfigurationError, match=f"run `chmod 600 {path}`") as error:
         load_cluster_secret(flag_path=path, environ={})
+    assert "--allow-loose-secret-file" in str(error.value) and GOOD not in str(error.value)
+    with caplog.at_level(logging.WARNING):
+        secret = load_cluster_secret(flag_path=path, environ={}, allow_loose=True)
+        again = load_cluster_secret(flag_path=path, environ={"MLXPP_ALLOW_LOOSE_SECRET_FILE": "1"})
+    assert secret.key_bytes() == again.key_bytes() == GOOD.encode()
     assert "chmod 600" in caplog.text and GOOD not in caplog.text
 
 

@@ -29,6 +29,7 @@ def secret(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("zc") / "cluster.secret"
     path.write_text("zero-config-secret-0123456789abcdef\n")
     path.chmod(0o600)
+    path.chmod(0o600)
     return path
 
 
@@ -218,7 +219,7 @@ def wait_file(path: Path, proc: subprocess.Popen[bytes], log: str, timeout: floa
 
 
 def peer_flags(secret: Path, *more: str) -> list[str]:
-    return ["--pp-peer", "--cluster-secret-file", str(secret), "--no-warmup", *more]
+    return ["--pp-peer", "--cluster-secret-file", str(secret), *more]
 
 
 @needs_netns
@@ -307,6 +308,7 @@ def test_a_peer_with_the_wrong_secret_is_never_offered_anything(
 ) -> None:
     wrong = tmp_path / "wrong.secret"
     wrong.write_text("another-secret-entirely-0123456789\n")
+    wrong.chmod(0o600)
     wrong.chmod(0o600)
     a0, a1, a2 = hosts.addresses
     procs.start(

@@ -36,8 +36,13 @@ async def start_agent_http(
     context = agent.context
     assert context is not None
     metrics = agent.metrics
-    # The key is derived afresh from the secret in force.
-    admin = signed_admin_api(agent_admin(agent), context.secret.key_bytes(), metrics)
+    # The key is derived afresh from the secret in force; the name follows reloads.
+    admin = signed_admin_api(
+        agent_admin(agent),
+        context.secret.key_bytes(),
+        metrics,
+        lambda: agent.context.cluster.cluster.name if agent.context else "",
+    )
     app = create_app(
         backend,
         api_key=target.api_key,

@@ -1,20 +1,220 @@
-"""Listening with an aiohttp application: one way, whoever puts the node together."""
+"""Listening with an aiohttp application: one way, whoever puts the node together.
+
+aiohttp bounds what one request may send (header sizes, ``client_max_size``) but not how many
+connections a client may hold open or how slowly it may send a request's head. Every listener
+here does both: past ``max_connections`` a new connection gets a 503 and is closed, and a
+connection whose request head is not complete ``header_timeout_s`` after it opened (or after
+its first byte arrived, once idle) is closed, so a slowloris client holds nothing for long.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, cast
 
 from aiohttp import web
 
 from mlxppd.core.config.addresses import join_host_port
 
+log = logging.getLogger("mlxppd.http")
 
-async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Serve ``app`` on ``host:port``; returns its runner (``cleanup()`` stops it) and the port
-    bound (port 0 asks the OS for a free one)."""
-    runner = web.AppRunner(app, access_log=None)
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """What one listener allows its clients."""
+
+    #: connections open at once; one more gets a 503 with Retry-After and is closed
+    max_connections: int = 1024
+    #: seconds a request's head may take to arrive (slowloris guard)
+    header_timeout_s: float = 10.0
+    #: seconds an idle keep-alive connection stays open between requests
+    keepalive_timeout_s: float = 15.0
+
+
+@dataclass
+class HttpGuardStats:
+    """Connections a listener turned away, by reason (counted, and logged at debug)."""
+
+    refused_over_capacity: int = 0
+    closed_head_timeout: int = 0
+    closed_idle: int = 0
+
+
+@dataclass
+class _Guard:
+    limits: HttpLimits
+    stats: HttpGuardStats = field(default_factory=HttpGuardStats)
+    open: dict[asyncio.BaseTransport, _GuardedConnection] = field(default_factory=dict)
+
+
+class _GuardedConnection(asyncio.Protocol):
+    """Stands in front of aiohttp's request handler and closes a connection that dawdles."""
+
+    def __init__(self, inner: asyncio.Protocol, guard: _Guard) -> None:
+        self._inner = inner
+        self._guard = guard
+        self._transport: asyncio.Transport | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._busy = False  # a request's head has arrived and it is being handled
+        self._head_started = False  # bytes of the next request's head have arrived
+
+    # -- what the middleware tells -------------------------------------------------------------
+
+    def request_started(self) -> None:
+        self._busy = True
+        self._cancel()
+
+    def request_finished(self) -> None:
+        self._busy = False
+        self._head_started = False
+        self._arm(self._guard.limits.keepalive_timeout_s, idle=True)
+
+    # -- asyncio.Protocol ----------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports are not asyncio.Transport subclasses, but they behave as such.
+        self._transport = cast(asyncio.Transport, transport)
+        self._guard.open[transport] = self
+        self._arm(self._guard.limits.header_timeout_s, idle=False)
+        self._inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if not self._busy and not self._head_started:
+            self._head_started = True  # the head of the next request: its own deadline
+            self._arm(self._guard.limits.header_timeout_s, idle=False)
+        self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel()
+        if self._transport is not None:
+            self._guard.open.pop(self._transport, None)
+        self._inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
+
+    # -- the deadline --------------------------------------------------------------------------
+
+    def _arm(self, seconds: float, *, idle: bool) -> None:
+        self._cancel()
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_later(seconds, self._expired, idle)
+
+    def _cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expired(self, idle: bool) -> None:
+        self._timer = None
+        if self._busy or self._transport is None:
+            return
+        if idle:
+            self._guard.stats.closed_idle += 1
+        else:
+            self._guard.stats.closed_head_timeout += 1
+            log.debug("http: closing a connection whose request head did not arrive in time")
+        self._transport.close()
+
+
+class _AtCapacity(asyncio.Protocol):
+    """Answers one 503 and closes: the listener holds as many connections as it allows."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport = cast(asyncio.Transport, transport)
+        body = json.dumps(
+            {
+                "error": {
+                    "message": "the server holds as many connections as it allows; retry shortly",
+                    "type": "server_overloaded",
+                    "param": None,
+                    "code": "too_many_connections",
+                }
+            }
+        ).encode()
+        head = (
+            "HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nConnection: close\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        )
+        transport.write(head.encode() + body)
+        # Closing at once would reset the connection under the client's unread request, and
+        # it might never see the 503; half-close, then close when it does (or after a second).
+        if transport.can_write_eof():
+            transport.write_eof()
+        asyncio.get_running_loop().call_later(1.0, transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        pass  # the request is not read: its answer is already on its way
+
+    def eof_received(self) -> bool:
+        return False  # the client is done: close now
+
+
+class _GuardedSite(web.TCPSite):
+    def __init__(self, runner: web.AppRunner, host: str, port: int, guard: _Guard) -> None:
+        super().__init__(runner, host, port)
+        self._guard = guard
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)
+        server = self._runner.server
+        assert server is not None
+        guard = self._guard
+
+        def connection() -> asyncio.Protocol:
+            if len(guard.open) >= guard.limits.max_connections:
+                guard.stats.refused_over_capacity += 1
+                return _AtCapacity()
+            return _GuardedConnection(server(), guard)
+
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            connection, self._host, self._port, backlog=self._backlog, reuse_address=True
+        )
+
+
+def _middleware(guard: _Guard) -> Any:
+    @web.middleware
+    async def track(
+        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        connection = guard.open.get(request.transport) if request.transport else None
+        if connection is not None:
+            connection.request_started()
+        try:
+            return await handler(request)
+        finally:
+            if connection is not None:
+                connection.request_finished()
+
+    return track
+
+
+async def start_site(
+    app: web.Application,
+    host: str,
+    port: int,
+    limits: HttpLimits | None = None,
+    stats: HttpGuardStats | None = None,
+) -> tuple[web.AppRunner, int]:
+    """Serve ``app`` on ``host:port`` within ``limits``, counting what it turns away into
+    ``stats``; returns its runner (``cleanup()`` stops it) and the port bound (port 0 asks the
+    OS for a free one)."""
+    guard = _Guard(limits or HttpLimits(), stats or HttpGuardStats())
+    app.middlewares.insert(0, _middleware(guard))
+    runner = web.AppRunner(app, access_log=None, keepalive_timeout=guard.limits.keepalive_timeout_s)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = _GuardedSite(runner, host, port, guard)
     await site.start()
     server: Any = site._server
     sockets = server.sockets if server is not None else []

@@ -112,7 +112,9 @@ async def run_coordinator_node(options: NodeOptions) -> int:
         driver=lambda: driver,
         last_error=lambda: coordinator.health().detail,
     )
-    admin = signed_admin_api(CoordinatorAdmin(view), secret.key_bytes(), coordinator.metrics)
+    admin = signed_admin_api(
+        CoordinatorAdmin(view), secret.key_bytes(), coordinator.metrics, cluster.cluster.name
+    )
     if policy.enabled:
         log.info(
             "elastic repartitioning on: `mlxppctl repartition --url http://%s "
@@ -222,6 +224,7 @@ def run_local_cluster(template: NodeOptions, ranges: tuple[LayerRange, ...]) -> 
         template.max_sequences,
         cpu_weights=str(template.cpu_weights) if template.cpu_weights is not None else None,
         log_level=template.log_level,
+        given_secret_file=template.secret_file,
     )
     try:
         cluster.start_stages()

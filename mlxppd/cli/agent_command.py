@@ -10,11 +10,12 @@ import sys
 from typing import Any
 
 from mlxppd.cli.common import cpu_weights_flag
+from mlxppd.core.config.private_file import ALLOW_LOOSE_FLAG, ENV_ALLOW_LOOSE
 
 _AGENT_EPILOG = """\
 files in the config directory (default /etc/mlxpp, or MLXPP_CONFIG_DIR):
   cluster.toml   the cluster: the same file on every host (see etc/mlxpp/cluster.toml)
-  mlxppd.toml    this host: node_id, model, secret_file, http_host, http_port, api_key,
+  mlxppd.toml    this host: node_id, model, secret_file, http_host, http_port, api_key_file,
                  kv_budget_bytes, cpu_weights, log_level, state_dir, ... (all optional)
 precedence: flags > environment MLXPP_<FIELD> (e.g. MLXPP_HTTP_PORT) > mlxppd.toml > defaults
 
@@ -38,7 +39,16 @@ def _config_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--node-id", help="this host's node id (default: found by its addresses)")
     p.add_argument("-m", "--model", help="mlx-lm model directory (default: the embedded model)")
-    p.add_argument("--cluster-secret-file", help="file holding the cluster secret (>= 16 bytes)")
+    p.add_argument(
+        "--cluster-secret-file",
+        help="file holding the cluster secret (mode 600; `mlxppctl secret new PATH` makes one)",
+    )
+    p.add_argument(
+        ALLOW_LOOSE_FLAG,
+        action="store_true",
+        help="use a secret or API key file that fails the permission rule (readable by others, "
+        f"another owner, a link), with a warning; as {ENV_ALLOW_LOOSE}=1",
+    )
     p.add_argument("--http-host", help="coordinator HTTP listen address (default 127.0.0.1)")
     p.add_argument("--http-port", type=int, help="coordinator HTTP port (default 8080)")
     p.add_argument("--kv-budget-bytes", type=int, help="this stage's KV cache budget, bytes")
@@ -133,15 +143,23 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _environ(args: argparse.Namespace) -> dict[str, str]:
+    """The environment the configuration is read with: --allow-loose-secret-file sets
+    MLXPP_ALLOW_LOOSE_SECRET_FILE for every read of the secret and the API key file."""
+    environ = dict(os.environ)
+    if args.allow_loose_secret_file:
+        environ[ENV_ALLOW_LOOSE] = "1"
+    return environ
+
+
 def run_check(args: argparse.Namespace) -> int:
     from mlxppd.core.config.host import config_dir_from
     from mlxppd.runtime.agent.loop import load_configuration
     from mlxppd.runtime.system.host_addresses import is_local_address
 
-    config_dir = config_dir_from(args.config_dir, os.environ)
-    desired, context = load_configuration(
-        config_dir, _overrides(args), os.environ, is_local_address
-    )
+    environ = _environ(args)
+    config_dir = config_dir_from(args.config_dir, environ)
+    desired, context = load_configuration(config_dir, _overrides(args), environ, is_local_address)
     if desired.stage is not None:
         r = desired.stage.layers
         role = f"pipeline_stage {desired.stage.stage}, layers {r.start}-{r.last}"
@@ -169,11 +187,14 @@ def run_agent(args: argparse.Namespace) -> int:
     from mlxppd.runtime.system.sd_notify import SdNotifier
     from mlxppd.runtime.system.service_logging import configure_logging
 
-    config_dir = config_dir_from(args.config_dir, os.environ)
+    environ = _environ(args)
+    config_dir = config_dir_from(args.config_dir, environ)
     overrides = _overrides(args)
     # Logging before anything else can fail; the level is re-applied on every reload.
     try:
-        level = load_host_settings(config_dir, environ=os.environ, overrides=overrides).log_level
+        level = load_host_settings(
+            config_dir, environ=environ, overrides=overrides, read_api_key=False
+        ).log_level
     except Exception:
         level = "info"
     configure_logging(level, environ=os.environ, node_id=args.node_id)
@@ -181,7 +202,7 @@ def run_agent(args: argparse.Namespace) -> int:
     agent = Agent(
         config_dir,
         overrides,
-        os.environ,
+        environ,
         is_local=is_local_address,
         notifier=notifier,
         http_starter=start_agent_http,

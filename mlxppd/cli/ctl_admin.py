@@ -1,7 +1,7 @@
 """``mlxppctl status|drain|resume``: the coordinator's admin API, from the command line.
 
-Requests are signed with a key derived from the cluster secret (docs/admin-api.md). The
-coordinator's address and the secret come from flags, else from this host's config directory.
+Requests are signed with a key derived from the cluster secret, for the cluster's name and the
+coordinator's address (docs/admin-api.md); ``mlxppd.cli.ctl_target`` finds them and sends.
 """
 
 from __future__ import annotations
@@ -11,25 +11,13 @@ import json
 import os
 import sys
 import time
-import tomllib
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
+from mlxppd.cli.ctl_target import CoordinatorUnreachable, Target, call
 from mlxppd.core.agent.health import UNHEALTHY, overall_health
-from mlxppd.core.config.addresses import join_host_port
-from mlxppd.core.config.cluster import load_cluster_config
-from mlxppd.core.config.host import (
-    CLUSTER_FILE,
-    HOST_FILE,
-    HostSettings,
-    config_dir_from,
-    load_host_settings,
-)
-from mlxppd.core.errors import ConfigurationError, MlxppError
+from mlxppd.core.config.private_file import ALLOW_LOOSE_FLAG, ENV_ALLOW_LOOSE
+from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.partition.sizes import parse_byte_size
 from mlxppd.http.admin_api import (
     DRAIN_PATH,
@@ -38,17 +26,14 @@ from mlxppd.http.admin_api import (
     RESUME_PATH,
     STATUS_PATH,
 )
-from mlxppd.wire.admin_auth import admin_key, sign_request
-from mlxppd.wire.secret import load_cluster_secret, resolve_secret_source
+
+__all__ = ["CoordinatorUnreachable", "register", "render_status"]
 
 DEFAULT_TIMEOUT_S = 10.0
-#: a status document of a large cluster is a few KiB; never read an unbounded answer
-MAX_RESPONSE_BYTES = 4 * 1024 * 1024
 MiB = 1024 * 1024
 
 EXIT_OK = 0
 EXIT_UNHEALTHY = 1
-EXIT_UNREACHABLE = 3
 
 _EXAMPLES = """\
 examples:
@@ -61,14 +46,10 @@ _TARGET_HELP = """\
 The coordinator's address is --url, else http_host/http_port from mlxppd.toml in the config
 directory (0.0.0.0 and :: mean this host). The cluster secret is looked up as everywhere else:
 --cluster-secret-file, MLXPP_CLUSTER_SECRET_FILE, MLXPP_CLUSTER_SECRET, then secret_file in
-mlxppd.toml or [cluster] secret_file in cluster.toml. Only a signature derived from the secret
-is sent, never the secret."""
-
-
-class CoordinatorUnreachable(MlxppError):
-    """The coordinator did not answer, or refused the request (exit status 3)."""
-
-    exit_code = EXIT_UNREACHABLE
+mlxppd.toml or [cluster] secret_file in cluster.toml. The signature covers the cluster's name
+(--cluster-name, else [cluster] name in the config directory's cluster.toml, else what the
+coordinator says) and the coordinator's address; a redirect is reported, never followed. Only
+a signature derived from the secret is sent, never the secret."""
 
 
 def register(subparsers: Any) -> None:
@@ -88,6 +69,18 @@ def register(subparsers: Any) -> None:
     )
     target.add_argument(
         "--cluster-secret-file", metavar="PATH", help="file holding the cluster secret"
+    )
+    target.add_argument(
+        "--cluster-name",
+        metavar="NAME",
+        help="the [cluster] name the request is signed for (default: the config directory's "
+        "cluster.toml, else what the coordinator says)",
+    )
+    target.add_argument(
+        ALLOW_LOOSE_FLAG,
+        action="store_true",
+        help=f"use a secret file that fails the permission rule, with a warning (as "
+        f"{ENV_ALLOW_LOOSE}=1)",
     )
     target.add_argument(
         "--timeout",
@@ -171,199 +164,12 @@ def register(subparsers: Any) -> None:
     repartition.set_defaults(func=lambda args: _repartition(args, os.environ))
 
 
-# --- where the coordinator is, and the key ---
-
-
-class _Target:
-    """The coordinator's base URL and the admin key, resolved from flags and the config dir."""
-
-    def __init__(self, args: argparse.Namespace, environ: Mapping[str, str]) -> None:
-        self._config_dir = config_dir_from(args.config_dir, environ)
-        self._host: HostSettings | None = None
-        self._environ = environ
-        self.from_config = args.url is None
-        self.url = _base_url(args.url) if args.url is not None else self._url_from_config()
-        self.secret_origin, self.key = self._key(args.cluster_secret_file)
-
-    def _host_settings(self) -> HostSettings:
-        if self._host is None:
-            self._host = load_host_settings(self._config_dir, environ=self._environ)
-        return self._host
-
-    def _url_from_config(self) -> str:
-        host = self._host_settings()
-        if host.http_port == 0:
-            raise ConfigurationError(
-                "http_port is 0 (a free port picked at start), so the coordinator's address is "
-                "unknown; pass --url",
-                source=str(self._config_dir / HOST_FILE),
-            )
-        address = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host.http_host, host.http_host)
-        return f"http://{join_host_port(address, host.http_port)}"
-
-    def _key(self, flag_path: str | None) -> tuple[str, bytes]:
-        config_secret_file: str | None = None
-        # The config files are read only when neither a flag nor the environment names the
-        # secret, so a broken mlxppd.toml does not stand in the way of explicit flags.
-        if (
-            resolve_secret_source(
-                flag_path=flag_path, environ=self._environ, config_secret_file=None
-            )
-            is None
-        ):
-            config_secret_file = self._host_settings().secret_file
-            cluster_file = self._config_dir / CLUSTER_FILE
-            if config_secret_file is None and cluster_file.exists():
-                config_secret_file = _cluster_secret_file(cluster_file)
-        secret = load_cluster_secret(
-            flag_path=flag_path,
-            environ=self._environ,
-            config_secret_file=config_secret_file,
-            config_dir=self._config_dir,
-        )
-        return secret.origin, admin_key(secret.key_bytes())
-
-    def where_from(self) -> str:
-        if self.from_config:
-            return f"http_host/http_port in {self._config_dir / HOST_FILE} or --url"
-        return "--url"
-
-
-def _cluster_secret_file(path: Path) -> str | None:
-    """``[cluster] secret_file``, read leniently: status matters most when the cluster TOML is
-    broken (the running agents keep the previous one), so only this key has to be readable."""
-    try:
-        return load_cluster_config(path).cluster.secret_file
-    except ConfigurationError:
-        try:
-            data = tomllib.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
-            raise ConfigurationError(
-                "cannot find the cluster secret: the cluster TOML does not parse; pass "
-                "--cluster-secret-file",
-                source=str(path),
-            ) from None
-        section = data.get("cluster")
-        value = section.get("secret_file") if isinstance(section, dict) else None
-        return value if isinstance(value, str) and value else None
-
-
-def _base_url(raw: str) -> str:
-    parsed = urllib.parse.urlsplit(raw.strip())
-    if (
-        parsed.scheme not in ("http", "https")
-        or not parsed.hostname
-        or parsed.path not in ("", "/")
-        or parsed.query
-        or parsed.fragment
-        or parsed.username
-    ):
-        raise ConfigurationError(
-            "takes the coordinator's base URL: scheme, host and port only, "
-            "e.g. http://10.0.0.1:8080",
-            source="--url",
-        )
-    try:
-        parsed.port  # noqa: B018 - a bad port raises here
-    except ValueError:
-        raise ConfigurationError(
-            "the port is not a number from 0 to 65535", source="--url"
-        ) from None
-    return f"{parsed.scheme}://{parsed.netloc}"
-
-
-# --- one signed request ---
-
-
-def _call(
-    target: _Target,
-    method: str,
-    path: str,
-    timeout: float,
-    body: bytes = b"",
-    accept: tuple[int, ...] = (),
-) -> dict[str, Any]:
-    """One signed request; HTTP errors in ``accept`` return their JSON body like a success."""
-    headers = {
-        "Authorization": sign_request(target.key, method, path, body, now=time.time()),
-        "Accept": "application/json",
-    }
-    if body:
-        headers["Content-Type"] = "application/json"
-    request = urllib.request.Request(
-        target.url + path,
-        data=body if method == "POST" else None,
-        method=method,
-        headers=headers,
-    )
-    # The coordinator sits on the cluster's own network: a desktop proxy setting must not
-    # reroute (or break) admin requests.
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    try:
-        with opener.open(request, timeout=timeout) as response:
-            raw = response.read(MAX_RESPONSE_BYTES + 1)
-    except urllib.error.HTTPError as exc:
-        if exc.code not in accept:
-            raise _refused(target, exc) from None
-        raw = exc.read(MAX_RESPONSE_BYTES + 1)
-    except (urllib.error.URLError, OSError) as exc:
-        reason: Any = getattr(exc, "reason", None) or exc
-        if isinstance(reason, OSError) and reason.strerror:
-            reason = reason.strerror  # "Connection refused", without the errno
-        raise CoordinatorUnreachable(
-            f"cannot reach the coordinator at {target.url}: {reason}; check "
-            f"{target.where_from()} and that mlxppd is running there"
-        ) from None
-    if len(raw) > MAX_RESPONSE_BYTES:
-        raise CoordinatorUnreachable(
-            f"the answer from {target.url} is larger than {MAX_RESPONSE_BYTES} bytes; check "
-            f"that {target.where_from()} names the coordinator"
-        )
-    try:
-        document = json.loads(raw)
-    except ValueError:
-        document = None
-    if not isinstance(document, dict):
-        raise CoordinatorUnreachable(
-            f"the answer from {target.url} is not a JSON object; check that "
-            f"{target.where_from()} names the coordinator"
-        )
-    return document
-
-
-def _refused(target: _Target, exc: urllib.error.HTTPError) -> CoordinatorUnreachable:
-    code: Any = None
-    try:
-        error = json.loads(exc.read(64 * 1024)).get("error", {})
-        code = error.get("code") if isinstance(error, dict) else None
-    except (ValueError, AttributeError, OSError):
-        pass
-    if exc.code == 401 and code == "stale":
-        return CoordinatorUnreachable(
-            f"the coordinator at {target.url} refused the signature as stale; check that this "
-            "host's clock and the coordinator's agree (NTP)"
-        )
-    if exc.code == 401:
-        return CoordinatorUnreachable(
-            f"the coordinator at {target.url} refused the signature ({code or 'unauthorized'}); "
-            f"check that the cluster secret from {target.secret_origin} is the cluster's"
-        )
-    if exc.code == 404:
-        return CoordinatorUnreachable(
-            f"{target.url} has no admin API (HTTP 404); check that {target.where_from()} "
-            "names the coordinator"
-        )
-    return CoordinatorUnreachable(
-        f"the coordinator at {target.url} answered HTTP {exc.code} {exc.reason}; check its log"
-    )
-
-
 # --- the subcommands ---
 
 
 def _status(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
-    target = _Target(args, environ)
-    document = _call(target, "GET", STATUS_PATH, args.timeout)
+    target = Target(args, environ)
+    document = call(target, "GET", STATUS_PATH, args.timeout)
     badge = document.get("health")
     detail = document.get("detail")
     if not isinstance(badge, str) or not isinstance(detail, str):
@@ -376,8 +182,8 @@ def _status(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
 
 
 def _admission(args: argparse.Namespace, environ: Mapping[str, str], path: str) -> int:
-    target = _Target(args, environ)
-    reply = _call(target, "POST", path, args.timeout)
+    target = Target(args, environ)
+    reply = call(target, "POST", path, args.timeout)
     line = f"admission {reply.get('admission', 'unknown')}"
     in_flight = reply.get("in_flight")
     if isinstance(in_flight, int):
@@ -405,9 +211,9 @@ def _repartition(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
         request["stage_memory"] = _stage_memory(args.stage_memory)
     if args.pp_layers:
         request["pp_layers"] = args.pp_layers
-    target = _Target(args, environ)
+    target = Target(args, environ)
     body = json.dumps(request).encode()
-    reply = _call(target, "POST", REPARTITION_PATH, args.timeout, body=body, accept=(409,))
+    reply = call(target, "POST", REPARTITION_PATH, args.timeout, body=body, accept=(409,))
     if not reply.get("accepted"):
         print(
             f"mlxppctl: repartition refused ({reply.get('reason')}): {reply.get('message')}",
@@ -421,7 +227,7 @@ def _repartition(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     deadline = time.monotonic() + args.wait_timeout
     after = seq - 1
     while time.monotonic() < deadline:
-        page = _call(target, "GET", f"{EVENTS_PATH}?after={after}", args.timeout)
+        page = call(target, "GET", f"{EVENTS_PATH}?after={after}", args.timeout)
         for event in page.get("events", []):
             after = max(after, int(event.get("seq", after)))
             print(_event_line(event), flush=True)

@@ -11,17 +11,21 @@ from pathlib import Path
 from typing import Any
 
 from mlxppd.cli.common import cpu_weights_flag
+from mlxppd.cli.serve_modes import Mode, check_serve_flags, with_defaults
+from mlxppd.core.config.private_file import ALLOW_LOOSE_FLAG, ENV_ALLOW_LOOSE
 from mlxppd.core.errors import ConfigurationError
 
 _EPILOG = """\
 roles:
   mlxppd serve --pp-size 2                      local cluster: 2 stage processes on loopback
-                                                (fresh secret) and the coordinator here
+                                                (a fresh secret, or --cluster-secret-file's)
+                                                and the coordinator here
   mlxppd serve --distributed-config cluster.toml --node-id ID
                                                 one node of a multi-host cluster: the
                                                 coordinator (role hybrid) serves HTTP, a
                                                 pipeline_stage node serves its layers
   mlxppd serve                                  every stage in this process
+A flag the role does not use is refused, naming the flag and the role.
 
 examples:
   mlxppd serve --pp-size 2 --port 8080
@@ -40,32 +44,41 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("-m", "--model", help="mlx-lm model directory (default: the embedded model)")
-    p.add_argument("--host", default="127.0.0.1", help="HTTP listen address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8080, help="HTTP port (default 8080; 0: any)")
+    # Defaults stay None here (mlxppd.cli.serve_modes.SERVE_DEFAULTS fills them after the
+    # check), so that a flag given to a mode that does not use it is always seen.
+    p.add_argument("--host", help="HTTP listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="HTTP port (default 8080; 0: any)")
     split = p.add_mutually_exclusive_group()
     split.add_argument("--pp-size", type=int, help="stages of a local cluster (>= 2)")
     split.add_argument("--pp-layers", help='inclusive layer range per stage, "0-14,15-29"')
     p.add_argument("--distributed-config", type=Path, help="cluster TOML of a multi-host cluster")
     p.add_argument("--node-id", help="this node's id in --distributed-config")
-    p.add_argument("--cluster-secret-file", help="file holding the cluster secret (>= 16 bytes)")
+    p.add_argument(
+        "--cluster-secret-file",
+        help="file holding the cluster secret (mode 600; `mlxppctl secret new PATH` makes one); "
+        "a local cluster uses it instead of a fresh one",
+    )
+    p.add_argument(
+        ALLOW_LOOSE_FLAG,
+        action="store_true",
+        help="use a secret or API key file that fails the permission rule (readable by others, "
+        f"another owner, a link), with a warning; as {ENV_ALLOW_LOOSE}=1",
+    )
     p.add_argument(
         "--kv-budget-bytes", type=int, help="KV cache budget of each stage, bytes (default: none)"
     )
     p.add_argument(
         "--parallel",
         type=int,
-        default=64,
         help="sequences the coordinator generates at once; more requests wait (default 64)",
     )
     p.add_argument(
         "--max-batch-size",
         type=int,
-        default=64,
         help="sequences each stage holds KV for; more are refused with 503 (default 64)",
     )
     p.add_argument(
         "--pp-micro-batch-size",
-        default="1",
         help="decode steps of up to N sequences run as one batched forward pass; 'auto': "
         "ceil(--parallel / stages), the GPipe sizing that fills every stage "
         "(default 1: each sequence is its own micro-batch)",
@@ -73,13 +86,23 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     cpu_weights_flag(p, default=None)
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up request at start")
     p.add_argument("--alias", help="model name reported by /v1/models (default: directory name)")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument(
+        "--api-key",
+        help="require 'Authorization: Bearer KEY' on /v1 routes (shows in ps; prefer "
+        "--api-key-file)",
+    )
+    p.add_argument(
+        "--api-key-file",
+        type=Path,
+        metavar="PATH",
+        help="file holding the key for --api-key, mode 600 like the cluster secret",
+    )
     p.add_argument(
         "--once",
         metavar="PROMPT",
         help="start, send PROMPT as one chat request over HTTP, print the answer, stop",
     )
-    p.add_argument("--max-tokens", type=int, default=64, help="max_tokens for --once (default 64)")
+    p.add_argument("--max-tokens", type=int, help="max_tokens for --once (default 64)")
     p.add_argument(
         "--metrics", action="store_true", help="serve Prometheus metrics at /metrics (coordinator)"
     )
@@ -94,7 +117,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--ready-file", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--metrics-ready-file", type=Path, help=argparse.SUPPRESS)
-    p.add_argument("--log-level", default="INFO", help="log level (default INFO)")
+    p.add_argument("--log-level", help="log level (default INFO)")
     from mlxppd.cli.agent_command import elastic_flags
 
     elastic_flags(p)
@@ -122,24 +145,21 @@ def _zero_config_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--cluster-discovery",
         choices=["static", "mdns"],
-        default="static",
         help="static: --cluster-peers as given; mdns: HMAC-signed UDP beacons (default static)",
     )
     g.add_argument("--cluster-peers", metavar="ADDR,...", help="peers' host:port, comma-separated")
     g.add_argument(
         "--cluster-name",
-        default="mlxpp-cluster",
-        help="cluster name in the emitted TOML; scopes beacons (default mlxpp-cluster)",
+        help="cluster name in the emitted TOML (letters, digits, '.', '_', '-'); scopes beacons "
+        "(default mlxpp-cluster)",
     )
     g.add_argument(
         "--cluster-discovery-port",
         type=int,
-        default=49555,
         help="UDP port of the discovery beacons (default 49555)",
     )
     g.add_argument(
         "--cluster-discovery-target",
-        default="255.255.255.255",
         help="where a peer sends its beacons: a broadcast address or the coordinator's IP "
         "(default 255.255.255.255)",
     )
@@ -164,7 +184,6 @@ def _zero_config_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--cluster-discovery-timeout",
         type=float,
-        default=120.0,
         metavar="S",
         help="seconds to wait for the peers (default 120)",
     )
@@ -188,24 +207,9 @@ def _zero_config(args: argparse.Namespace) -> Any:
     )
 
 
-def _check_zero_config(args: argparse.Namespace) -> None:
-    if args.pp_auto is not None:
-        if args.pp_peer:
-            raise ConfigurationError(
-                "a process is either the coordinator (--pp-auto) or a peer (--pp-peer); drop one",
-                source="--pp-auto",
-            )
-        for flag, value in (
-            ("--distributed-config", args.distributed_config),
-            ("--pp-layers", args.pp_layers),
-            ("--pp-size", args.pp_size),
-        ):
-            if value is not None:
-                raise ConfigurationError(
-                    f"--pp-auto plans the cluster itself; drop {flag} (or drop --pp-auto to "
-                    "use your own plan)",
-                    source="--pp-auto",
-                )
+def _check_values(args: argparse.Namespace, mode: Mode) -> None:
+    """What the mode table cannot say: values in range, and pairs that belong together."""
+    if mode in (Mode.ZERO_CONFIG_COORDINATOR, Mode.ZERO_CONFIG_DRY_RUN):
         if args.pp_auto < 2:
             raise ConfigurationError("needs at least 2 stages", source="--pp-auto")
         if args.cluster_discovery == "static" and not args.cluster_peers:
@@ -214,12 +218,25 @@ def _check_zero_config(args: argparse.Namespace) -> None:
                 "--cluster-control-addr), or use --cluster-discovery mdns",
                 source="--pp-auto",
             )
-    elif args.dry_run:
-        raise ConfigurationError("--dry-run plans a --pp-auto cluster; add --pp-auto N")
-    if args.pp_peer and (args.pp_size is not None or args.pp_layers is not None):
+    if mode is Mode.LOCAL_CLUSTER:
+        if args.pp_size is not None and args.pp_size < 2:
+            raise ConfigurationError(
+                "a local cluster needs at least 2 stages; drop --pp-size to serve every stage "
+                "in this process",
+                source="--pp-size",
+            )
+        if args.pp_layers is not None and "," not in args.pp_layers:
+            raise ConfigurationError(
+                f"{args.pp_layers!r} is one stage, and a local cluster needs at least 2; give "
+                "a range per stage, like 0-14,15-29, or drop --pp-layers to serve every stage "
+                "in this process",
+                source="--pp-layers",
+            )
+    if args.api_key is not None and args.api_key_file is not None:
         raise ConfigurationError(
-            "a peer serves the stage the coordinator assigns; drop --pp-size/--pp-layers",
-            source="--pp-peer",
+            "--api-key and --api-key-file both give the key; keep --api-key-file (a key on the "
+            "command line shows in ps)",
+            source="--api-key",
         )
 
 
@@ -268,6 +285,15 @@ def _node_options(args: argparse.Namespace) -> Any:
         raise ConfigurationError("must be at least 1", source="--parallel")
     if args.max_batch_size < 1:
         raise ConfigurationError("must be at least 1", source="--max-batch-size")
+    api_key = args.api_key
+    if args.api_key_file is not None:
+        from mlxppd.core.config.host import read_api_key_file
+
+        api_key = read_api_key_file(
+            args.api_key_file,
+            named_by="--api-key-file",
+            allow_loose=bool(args.allow_loose_secret_file),
+        )
     return NodeOptions(
         model=args.model,
         cluster_file=args.distributed_config or Path("."),
@@ -280,7 +306,7 @@ def _node_options(args: argparse.Namespace) -> Any:
         parallel=args.parallel,
         warmup=not args.no_warmup,
         alias=args.alias,
-        api_key=args.api_key,
+        api_key=api_key,
         ready_file=args.ready_file,
         once_prompt=args.once,
         once_max_tokens=args.max_tokens,
@@ -301,10 +327,17 @@ def run(args: argparse.Namespace) -> int:
     from mlxppd.runtime.serve import NodeOptions, run_stage_node
     from mlxppd.runtime.system import event_loop
 
+    # Every flag given is one this mode uses (mlxppd.cli.serve_modes), before anything starts.
+    mode = check_serve_flags(args)
+    args = with_defaults(args)
+    _check_values(args, mode)
     logging.basicConfig(
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
+    if args.allow_loose_secret_file:
+        # Every secret read in this process and in a local cluster's stage processes.
+        os.environ[ENV_ALLOW_LOOSE] = "1"
     options = _node_options(args)
 
     def sized(options: NodeOptions, stages: int) -> NodeOptions:
@@ -312,28 +345,19 @@ def run(args: argparse.Namespace) -> int:
             return options
         return replace(options, micro_batch_size=suggested_micro_batch_size(args.parallel, stages))
 
-    _check_zero_config(args)
-    if args.pp_auto is not None:
+    if mode in (Mode.ZERO_CONFIG_COORDINATOR, Mode.ZERO_CONFIG_DRY_RUN):
         return event_loop.run(_run_auto(sized(options, args.pp_auto), _zero_config(args)))
-    if args.pp_peer and not (args.distributed_config and args.node_id):
+    if mode is Mode.ZERO_CONFIG_PEER:
         return event_loop.run(_run_peer(options, _zero_config(args)))
-    if args.distributed_config is None:
-        return _run_local(args, options, sized)
-    if args.pp_size is not None or args.pp_layers is not None:
-        raise ConfigurationError(
-            "the cluster TOML fixes the stages; drop --pp-size/--pp-layers",
-            source="--distributed-config",
-        )
-    if not args.node_id:
-        raise ConfigurationError("--node-id is required with --distributed-config")
-    from mlxppd.core.config.cluster import NodeRole, load_cluster_config
-
-    cluster = load_cluster_config(args.distributed_config)
-    node = cluster.find_node(args.node_id)
-    if node is not None and node.role is not NodeRole.COORDINATOR:
+    if mode is Mode.STAGE:
         return event_loop.run(run_stage_node(options))
-    options = sized(options, cluster.cluster.pipeline_parallel_size)
-    return event_loop.run(run_coordinator_node(options))
+    if mode is Mode.COORDINATOR:
+        from mlxppd.core.config.cluster import load_cluster_config
+
+        cluster = load_cluster_config(args.distributed_config)
+        options = sized(options, cluster.cluster.pipeline_parallel_size)
+        return event_loop.run(run_coordinator_node(options))
+    return _run_local(args, options, sized)
 
 
 def _run_local(args: argparse.Namespace, options: Any, sized: Any) -> int:

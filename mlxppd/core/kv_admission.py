@@ -25,6 +25,8 @@ class RejectReason(StrEnum):
     REJECTED_BY_STAGE = "rejected_by_stage"
     DRAINING = "draining"
     PLAN_MISMATCH = "plan_mismatch"
+    #: the stage cannot serve the request's parameters (e.g. its sampler refuses them)
+    INVALID_REQUEST = "invalid_request"
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,18 @@ class AdmissionDiagnostic:
     def available_bytes(self) -> int:
         return max(0, self.budget_bytes - self.used_memory_bytes)
 
+    @property
+    def never_fits(self) -> bool:
+        """More than the stage's whole budget: retrying cannot help, the request must shrink."""
+        return self.reason is RejectReason.MEMORY and self.required_bytes > self.budget_bytes
+
     def message(self) -> str:
+        if self.never_fits:
+            return (
+                f"this request needs {self.required_bytes} KV bytes on stage {self.stage_index}, "
+                f"more than its whole budget of {self.budget_bytes}; shorten the prompt or "
+                "max_tokens"
+            )
         if self.reason is RejectReason.MEMORY:
             return (
                 f"stage {self.stage_index} has {self.available_bytes} of {self.budget_bytes} KV "
@@ -75,6 +88,8 @@ class AdmissionDiagnostic:
                 f"stage {self.stage_index} holds other layers than the coordinator expects "
                 "(the cluster is changing its layer ranges); retry after Retry-After seconds"
             )
+        if self.reason is RejectReason.INVALID_REQUEST:
+            return f"stage {self.stage_index} cannot serve this request's sampling parameters"
         if self.reason is RejectReason.ALREADY_CACHED:
             return f"stage {self.stage_index} already holds this sequence id"
         return f"stage {self.stage_index} refused the sequence"
@@ -107,12 +122,14 @@ class StageKvManager:
             reason = RejectReason.SEQUENCE_CAP
         elif self.used_bytes + required > self.budget_bytes:
             reason = RejectReason.MEMORY
-        if reason is None:
-            return None
+        return None if reason is None else self.refusal(reason, required)
+
+    def refusal(self, reason: RejectReason, required_bytes: int = 0) -> AdmissionDiagnostic:
+        """A refusal for ``reason``, with this stage's accounting at this moment."""
         return AdmissionDiagnostic(
             stage_index=self.stage_index,
             reason=reason,
-            required_bytes=required,
+            required_bytes=required_bytes,
             used_memory_bytes=self.used_bytes,
             budget_bytes=self.budget_bytes,
             active_sequences=len(self.reserved),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mlxppd.core.layer_ranges import LayerRange
@@ -32,6 +33,10 @@ class StageSpec:
 
     def owns_layer(self, layer: int) -> bool:
         return self.start <= layer < self.end
+
+    def matches(self, plan: Sequence[tuple[int, int]]) -> bool:
+        """True when ``plan`` ([start, end) per stage) gives this stage exactly its layers."""
+        return len(plan) == self.num_stages and tuple(plan[self.index]) == (self.start, self.end)
 
 
 def stage_specs(ranges: tuple[LayerRange, ...]) -> tuple[StageSpec, ...]:

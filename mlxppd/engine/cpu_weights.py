@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -25,21 +26,54 @@ from mlxppd.engine.blas import blas_in_use
 QuantParams = Callable[[str, nn.Module], "dict[str, Any] | bool"]
 
 
-def available_memory_bytes() -> int | None:
-    """Memory the kernel can give this process now (Linux MemAvailable), or None."""
-    if sys.platform == "linux":
+def available_memory_bytes(
+    proc: Path = Path("/proc"), cgroups: Path = Path("/sys/fs/cgroup")
+) -> int | None:
+    """Memory the kernel can give this process now, or None when nothing says.
+
+    On Linux: MemAvailable, or (where /proc/meminfo is hidden, e.g. under systemd's
+    ``ProcSubset=pid``) the free pages; either capped by the room left under this process's
+    cgroup v2 ``memory.max`` (a unit's ``MemoryMax=``), which MemAvailable does not see.
+    """
+    if sys.platform != "linux":
         try:
-            with open("/proc/meminfo") as meminfo:
-                for line in meminfo:
-                    if line.startswith("MemAvailable:"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError):
             return None
-        return None
+    host = _meminfo_available(proc / "meminfo")
+    if host is None:
+        try:
+            host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        except (ValueError, OSError):
+            host = None
+    room = _cgroup_room(proc / "self" / "cgroup", cgroups)
+    known = [n for n in (host, room) if n is not None]
+    return min(known) if known else None
+
+
+def _meminfo_available(meminfo: Path) -> int | None:
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
         return None
+    return None
+
+
+def _cgroup_room(self_cgroup: Path, cgroups: Path) -> int | None:
+    """``memory.max - memory.current`` of this process's cgroup v2, or None (no limit)."""
+    try:
+        for line in self_cgroup.read_text().splitlines():
+            if line.startswith("0::"):
+                group = cgroups / line[3:].lstrip("/")
+                limit = (group / "memory.max").read_text().strip()
+                if limit == "max":
+                    return None
+                return max(0, int(limit) - int((group / "memory.current").read_text()))
+    except (OSError, ValueError):
+        return None
+    return None
 
 
 def compute_host() -> ComputeHost:

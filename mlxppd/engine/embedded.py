@@ -233,7 +233,15 @@ def _write_tokenizer(meta: dict[str, Any], out: Path) -> None:
 def convert_gguf(gguf: Path, out: Path, progress: Progress) -> None:
     """Convert a llama-architecture GGUF file into an mlx-lm directory at ``out``."""
     progress(f"converting {gguf.name} into an mlx-lm directory (once) [1/4: reading GGUF]")
-    raw, meta = mx.load(str(gguf), return_metadata=True)
+    if os.access(gguf, os.W_OK):
+        raw, meta = mx.load(str(gguf), return_metadata=True)
+    else:
+        # mlx's GGUF reader opens the file for writing too; a package installed read-only (a
+        # service user, ProtectSystem=strict) is read through a private copy instead.
+        with tempfile.TemporaryDirectory(dir=out) as tmp:
+            copy = Path(tmp) / gguf.name
+            shutil.copyfile(gguf, copy)
+            raw, meta = mx.load(str(copy), return_metadata=True)
     assert isinstance(raw, dict) and isinstance(meta, dict)
     weights = {_hf_name(name): array for name, array in raw.items()}
     progress("[2/4: writing config.json]")

@@ -13,7 +13,7 @@ from typing import Any, cast
 import mlx.core as mx
 
 from mlxppd.core.protocol.pipeline import regroup
-from mlxppd.engine.sampling import Sampler, greedy, make_sampler
+from mlxppd.engine.sampling import Sampler, greedy
 from mlxppd.engine.stage import LoadedStage
 
 
@@ -101,8 +101,9 @@ class StageRunner:
     def active(self) -> int:
         return len(self._caches)
 
-    def set_sampling(self, seq: str, temperature: float, top_p: float, seed: int | None) -> None:
-        self._samplers[seq] = make_sampler(temperature, top_p, seed)
+    def set_sampler(self, seq: str, sampler: Sampler) -> None:
+        """The sampler of ``seq`` until it is released (greedy when none is set)."""
+        self._samplers[seq] = sampler
 
     def forward(self, seq: str, x: mx.array) -> mx.array:
         """Run this stage's layers for one sequence; the output is evaluated."""

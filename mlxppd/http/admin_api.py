@@ -1,13 +1,17 @@
 """The coordinator's admin API: cluster status, drain and resume, behind signed requests.
 
 Every route checks an ``MLXPP-HMAC`` signature made with a key derived from the cluster secret
-(``mlxppd.wire.admin_auth``); the OpenAI API key plays no part here, and an admin signature
-opens nothing under /v1. The runtime supplies an ``AdminController``; docs/admin-api.md is the
-reference for the routes and the status document.
+(``mlxppd.wire.admin_auth``), bound to the cluster's name and to a ``Host`` header that names
+this server; the OpenAI API key plays no part here, and an admin signature opens nothing under
+/v1. Only ``GET /admin/v1/challenge`` is unsigned: it says which cluster name to sign for. The
+runtime supplies an ``AdminController``; docs/admin-api.md is the reference for the routes and
+the status document.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -21,10 +25,19 @@ from mlxppd.core.agent.health import overall_health
 from mlxppd.core.strict import StrictModel
 from mlxppd.http.errors import ApiError, error_response
 from mlxppd.runtime.observability.metrics import PipelineMetrics
-from mlxppd.wire.admin_auth import AdminAuthError, AdminVerifier, admin_key
+from mlxppd.runtime.system.host_addresses import is_local_address
+from mlxppd.wire.admin_auth import (
+    SCHEME,
+    AdminAuthError,
+    AdminVerifier,
+    admin_key,
+    challenge,
+    host_names_this_server,
+)
 
 __all__ = [
     "ADMIN_PREFIX",
+    "CHALLENGE_PATH",
     "DRAIN_PATH",
     "MAX_ADMIN_BODY_BYTES",
     "EVENTS_PATH",
@@ -44,6 +57,8 @@ DRAIN_PATH = "/admin/v1/drain"
 RESUME_PATH = "/admin/v1/resume"
 REPARTITION_PATH = "/admin/v1/repartition"
 EVENTS_PATH = "/admin/v1/repartition/events"
+#: the one unsigned route: which cluster name to sign for (no secret, no state)
+CHALLENGE_PATH = "/admin/v1/challenge"
 #: admin requests carry no real payload; refuse anything bigger before hashing it
 MAX_ADMIN_BODY_BYTES = 64 * 1024
 
@@ -55,6 +70,9 @@ _MESSAGES = {
     "bad_mac": "the admin signature does not verify; check that the client uses this "
     "cluster's secret",
     "replayed": "this admin request was already seen; sign every request afresh",
+    "wrong_host": "the signed Host header does not name this server (its address and port); "
+    "send the request to the address it was signed for, without a proxy or port forward that "
+    "changes the port",
 }
 
 
@@ -109,18 +127,36 @@ class AdminApi:
 
 
 def signed_admin_api(
-    controller: AdminController, secret_key: bytes, metrics: PipelineMetrics | None
+    controller: AdminController,
+    secret_key: bytes,
+    metrics: PipelineMetrics | None,
+    cluster_name: str | Callable[[], str],
 ) -> AdminApi:
     """The admin API of a coordinator: requests signed with the key derived from the cluster
-    secret (the raw secret stays with the caller); refusals counted when metrics are on."""
+    secret (the raw secret stays with the caller) for ``cluster_name`` (a callable follows
+    reloads); refusals counted when metrics are on."""
 
     def count_auth_failure(reason: str) -> None:
         if metrics is not None:
             metrics.admin_auth_failures.labels(reason=reason).inc()
 
-    return AdminApi(
-        controller, AdminVerifier(admin_key(secret_key), clock=time.time), count_auth_failure
-    )
+    verifier = AdminVerifier(admin_key(secret_key), cluster_name=cluster_name, clock=time.time)
+    return AdminApi(controller, verifier, count_auth_failure)
+
+
+@functools.lru_cache(maxsize=128)
+def _is_local(name: str) -> bool:
+    # A name may need DNS; only signed requests get here, and the answer is kept.
+    return is_local_address(name)
+
+
+async def _names_this_server(request: web.Request) -> bool:
+    """Whether the request's Host header names the address and port it arrived on."""
+    sockname = request.transport.get_extra_info("sockname") if request.transport else None
+    if not isinstance(sockname, tuple) or len(sockname) < 2:
+        return False
+    host = request.headers.get("Host", "")
+    return await asyncio.to_thread(host_names_this_server, host, int(sockname[1]), _is_local)
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -134,7 +170,8 @@ def add_admin_routes(
     *,
     on_auth_failure: Callable[[str], None] | None = None,
 ) -> None:
-    """Add GET /admin/v1/status, POST /admin/v1/drain and POST /admin/v1/resume to ``app``."""
+    """Add the admin routes (docs/admin-api.md) to ``app``: every one signed but the
+    challenge."""
 
     async def status(request: web.Request) -> web.Response:
         document = dict(await controller.status())
@@ -171,6 +208,11 @@ def add_admin_routes(
 
     def guarded(route: str, action: Callable[[web.Request], Awaitable[web.Response]]) -> Handler:
         return _guarded(route, action, verifier, on_auth_failure)
+
+    async def challenge_route(request: web.Request) -> web.Response:
+        return _json({"scheme": SCHEME, "cluster": verifier.cluster_name})
+
+    app.router.add_get(CHALLENGE_PATH, challenge_route, allow_head=False)
 
     app.router.add_get(STATUS_PATH, guarded(STATUS_PATH, status), allow_head=False)
     app.router.add_post(DRAIN_PATH, guarded(DRAIN_PATH, drain))
@@ -219,10 +261,17 @@ def _guarded(
         try:
             # raw_path is the path (and query) exactly as the client sent and signed it.
             verifier.verify(
-                request.headers.get("Authorization"), request.method, request.raw_path, body
+                request.headers.get("Authorization"),
+                request.method,
+                request.raw_path,
+                body,
+                host=request.headers.get("Host", ""),
             )
+            # The signature covers the Host; a replay to another server still names the first.
+            if not await _names_this_server(request):
+                raise AdminAuthError("wrong_host")
         except AdminAuthError as exc:
-            return _refused(request, route, exc, on_auth_failure)
+            return _refused(request, route, exc, verifier, on_auth_failure)
         request[_BODY] = body
         try:
             return await action(request)
@@ -244,6 +293,7 @@ def _refused(
     request: web.Request,
     route: str,
     exc: AdminAuthError,
+    verifier: AdminVerifier,
     on_auth_failure: Callable[[str], None] | None,
 ) -> web.Response:
     # The route, not the raw path, and never the header: neither can smuggle text in.
@@ -262,6 +312,7 @@ def _refused(
             _MESSAGES[exc.reason],
             type="authentication_error",
             code=exc.reason,
-            headers={"WWW-Authenticate": "MLXPP-HMAC"},
+            # The cluster to sign for: no secret, and it tells a client why its MAC failed.
+            headers={"WWW-Authenticate": challenge(verifier.cluster_name)},
         )
     )

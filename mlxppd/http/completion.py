@@ -38,27 +38,66 @@ class Piece:
 
 
 class StopMatcher:
+    """Finds stop strings in a growing text, looking at each new character once.
+
+    One Knuth-Morris-Pratt automaton per stop string: the work per token is the token's
+    characters times the number of stop strings, however long the text or the stop strings.
+    """
+
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = tuple(s for s in stops if s)
+        self._fallback = [_prefix_function(s) for s in self.stops]
+        self._matched = [0] * len(self.stops)  # per stop: its longest prefix ending the text
+        self._fed = 0
         self._longest = max((len(s) for s in self.stops), default=0)
+        self.hit: int | None = None
 
-    def find(self, text: str, start: int) -> int | None:
-        """Index of the earliest stop string ending after ``start``, or None."""
-        if not self.stops:
-            return None
-        begin = max(0, start - self._longest + 1)
-        hits = [i for i in (text.find(s, begin) for s in self.stops) if i >= 0]
-        return min(hits) if hits else None
+    def feed(self, text: str) -> int | None:
+        """Read the characters of ``text`` not read yet; where the earliest stop string found
+        starts, or None. ``text`` must extend the text fed before."""
+        if self.hit is not None or not self.stops:
+            self._fed = len(text)
+            return self.hit
+        end = len(text)
+        for i in range(self._fed, len(text)):
+            if i >= end:
+                break
+            char = text[i]
+            for k, stop in enumerate(self.stops):
+                j = self._matched[k]
+                while j and stop[j] != char:
+                    j = self._fallback[k][j - 1]
+                if stop[j] == char:
+                    j += 1
+                if j == len(stop):
+                    start = i + 1 - j
+                    self.hit = start if self.hit is None else min(self.hit, start)
+                    j = self._fallback[k][j - 1]
+                self._matched[k] = j
+            if self.hit is not None:
+                # A longer stop string that started earlier may still end in what is here.
+                end = min(end, self.hit + self._longest)
+        self._fed = len(text)
+        return self.hit
 
-    def holdback(self, text: str) -> int:
-        """Length of the longest tail of ``text`` that is the start of some stop string."""
-        best = 0
-        for stop in self.stops:
-            for n in range(min(len(stop) - 1, len(text)), best, -1):
-                if text.endswith(stop[:n]):
-                    best = n
-                    break
-        return best
+    @property
+    def holdback(self) -> int:
+        """Length of the longest tail of the text fed that could still become a stop string."""
+        return max(self._matched, default=0)
+
+
+def _prefix_function(pattern: str) -> list[int]:
+    """``out[i]``: length of the longest proper prefix of ``pattern[:i+1]`` that is also its
+    suffix (where a match continues after a mismatch)."""
+    out = [0] * len(pattern)
+    j = 0
+    for i in range(1, len(pattern)):
+        while j and pattern[i] != pattern[j]:
+            j = out[j - 1]
+        if pattern[i] == pattern[j]:
+            j += 1
+        out[i] = j
+    return out
 
 
 def safe_logprob(value: float | None) -> float | None:
@@ -148,16 +187,16 @@ class Generation:
                 )
             )
             text = self._detok.text
-            hit = self._stop.find(text, emitted)
+            hit = self._stop.feed(text)
             if hit is not None:
                 self.finish_reason = "stop"
                 self.text = text[: max(hit, emitted)]
                 yield take(max(hit, emitted))
                 return
-            yield take(max(emitted, len(text) - self._stop.holdback(text)))
+            yield take(max(emitted, len(text) - self._stop.holdback))
         self._detok.finalize()
         text = self._detok.text
-        hit = self._stop.find(text, emitted)
+        hit = self._stop.feed(text)
         if hit is not None:
             self.finish_reason = "stop"
             self.text = text[: max(hit, emitted)]

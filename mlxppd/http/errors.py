@@ -6,11 +6,18 @@ a JSON response, or into a final SSE event once a stream has started.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from aiohttp import web
 
-from mlxppd.runtime.pipeline.backend import AdmissionClosed, AdmissionRejected, BackendUnavailable
+from mlxppd.runtime.pipeline.backend import (
+    AdmissionClosed,
+    AdmissionRejected,
+    BackendUnavailable,
+    RequestRefused,
+    SequenceFailed,
+)
 
 INVALID_REQUEST = "invalid_request_error"
 
@@ -53,6 +60,19 @@ class ApiError(Exception):
         return {"error": error}
 
 
+# host:port, IPv4 and bracketed IPv6 addresses: how stages are reached is not a client's business.
+_ADDRESS = re.compile(
+    r"\[[0-9A-Fa-f:.%]+\](?::\d+)?"
+    r"|\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?"
+    r"|\b[A-Za-z0-9-]*[A-Za-z][A-Za-z0-9-]*(?:\.[A-Za-z0-9-]+)*:\d{2,5}\b"
+)
+
+
+def public_reason(text: str) -> str:
+    """A backend's reason as a client may see it: the same sentence without addresses."""
+    return _ADDRESS.sub("<address>", text)
+
+
 def invalid(message: str, param: str | None, code: str | None = None) -> ApiError:
     """A 400 naming the request field at fault."""
     return ApiError(400, message, param=param, code=code)
@@ -62,13 +82,18 @@ def from_backend_error(exc: BaseException) -> ApiError:
     """The API error for a backend failure (admission, unavailable) or an unexpected one."""
     if isinstance(exc, ApiError):
         return exc
+    if isinstance(exc, RequestRefused):
+        return ApiError(400, str(exc), code="invalid_value")
+    if isinstance(exc, SequenceFailed):
+        return ApiError(500, public_reason(str(exc)), type="server_error", code="sequence_failed")
     if isinstance(exc, AdmissionRejected):
         d = exc.diagnostic
+        never = d.never_fits  # retrying cannot help: a 400, not a 503 with Retry-After
         return ApiError(
-            503,
+            400 if never else 503,
             str(exc),
-            type="server_overloaded",
-            code="kv_admission_rejected",
+            type=INVALID_REQUEST if never else "server_overloaded",
+            code="context_length_exceeded" if never else "kv_admission_rejected",
             extra={
                 "stage": d.stage_index,
                 "reason": str(d.reason),
@@ -78,12 +103,12 @@ def from_backend_error(exc: BaseException) -> ApiError:
                 "active_sequences": d.active_sequences,
                 "required_bytes": d.required_bytes,
             },
-            headers={"Retry-After": str(ADMISSION_RETRY_AFTER_S)},
+            headers={} if never else {"Retry-After": str(ADMISSION_RETRY_AFTER_S)},
         )
     if isinstance(exc, AdmissionClosed):
         return ApiError(
             503,
-            str(exc),
+            public_reason(str(exc)),
             type="service_unavailable",
             code="admission_closed",
             headers={"Retry-After": str(exc.retry_after_s)},
@@ -91,7 +116,7 @@ def from_backend_error(exc: BaseException) -> ApiError:
     if isinstance(exc, BackendUnavailable):
         return ApiError(
             503,
-            str(exc) or "the model pipeline is not available",
+            public_reason(str(exc)) or "the model pipeline is not available",
             type="service_unavailable",
             code="backend_unavailable",
             headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)},

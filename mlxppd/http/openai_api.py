@@ -7,11 +7,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -19,9 +20,16 @@ from typing import Any, TypeVar
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from mlxppd.core.log_text import escape
 from mlxppd.http.admin_api import AdminApi, add_admin_routes
 from mlxppd.http.completion import ClientGone, Generation, Piece, TokenInfo
-from mlxppd.http.errors import ApiError, error_response, from_backend_error, invalid
+from mlxppd.http.errors import (
+    ADMISSION_RETRY_AFTER_S,
+    ApiError,
+    error_response,
+    from_backend_error,
+    invalid,
+)
 from mlxppd.http.responses import Shape
 from mlxppd.http.sse import SseWriter
 from mlxppd.http.validation import ParsedRequest, parse_chat, parse_completion, parse_json_body
@@ -30,7 +38,9 @@ from mlxppd.runtime.pipeline.backend import (
     AdmissionRejected,
     BackendUnavailable,
     GenerationBackend,
+    RequestRefused,
     SamplingParams,
+    SequenceFailed,
 )
 
 log = logging.getLogger("mlxppd.http")
@@ -38,6 +48,12 @@ log = logging.getLogger("mlxppd.http")
 T = TypeVar("T")
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_TOKENS = 512
+#: requests handled at once; more get a 503 with Retry-After (the KV budget admits fewer)
+DEFAULT_MAX_IN_FLIGHT = 256
+#: seconds a client has to send its whole body once the headers are in
+DEFAULT_BODY_TIMEOUT_S = 30.0
+#: paths under the api key when one is set (/health answers everyone, in one word)
+_KEYED_PREFIXES = ("/v1/", "/metrics")
 #: tokenizers report ~1e30 when they do not know the context; above this we treat it as unknown
 _CONTEXT_SANITY = 10_000_000
 FALLBACK_MAX_PROMPT_TOKENS = 32_768
@@ -51,6 +67,9 @@ class _State:
     context_tokens: int | None
     default_max_tokens: int
     max_body_bytes: int
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    in_flight: int = 0
     created: int = field(default_factory=lambda: int(time.time()))
     #: one thread: tokenizing a 4 MiB prompt must not stall the event loop, and one worker
     #: keeps HF tokenizers from being mutated from two threads at once
@@ -102,10 +121,13 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     metrics: PipelineMetrics | None = None,
     admin: AdminApi | None = None,
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
 ) -> web.Application:
     """The OpenAI API app.
 
-    ``api_key``: when set, /v1/* needs ``Authorization: Bearer <key>``; /health stays open.
+    ``api_key``: when set, /v1/* and /metrics need ``Authorization: Bearer <key>``; /health
+    answers anyone with its status word, and only a caller with the key gets the detail.
     ``alias``: the model name clients see (default ``backend.model_id``).
     ``max_context_tokens``: prompt + max_tokens limit (default: the tokenizer's
     ``model_max_length`` when it is a real number, else prompts are capped at 32768 tokens).
@@ -113,6 +135,8 @@ def create_app(
     ``metrics``: count requests into it and serve ``GET /metrics`` from its registry.
     ``admin``: also serve the signed admin API under /admin/v1 (see admin_api.py); the api key
     does not apply there, and an admin signature opens nothing under /v1.
+    ``max_in_flight``: requests handled at once (503 with Retry-After beyond).
+    ``body_timeout_s``: seconds a client has to send its body (408 after).
     """
     if api_key is not None and not api_key:
         raise ValueError("api_key must not be empty; pass None to disable authentication")
@@ -123,6 +147,8 @@ def create_app(
         context_tokens=max_context_tokens,
         default_max_tokens=default_max_tokens,
         max_body_bytes=max_body_bytes,
+        max_in_flight=max_in_flight,
+        body_timeout_s=body_timeout_s,
         metrics=metrics,
     )
     app = web.Application(client_max_size=max_body_bytes, middlewares=[_middleware])
@@ -174,14 +200,51 @@ async def _off_loop(state: _State, fn: Callable[[], T]) -> T:
 # --- middleware: request id, auth, errors, one log line per request ---
 
 
-def _authorized(state: _State, request: web.Request) -> bool:
-    # Only /v1 takes the bearer key; /admin routes check their own signatures.
-    if state.api_key is None or not request.path.startswith("/v1/"):
+def _has_key(state: _State, request: web.Request) -> bool:
+    """True when no key is set, or the request carries it."""
+    if state.api_key is None:
         return True
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     if scheme.lower() != "bearer":
         return False
     return hmac.compare_digest(token.strip().encode(), state.api_key)
+
+
+def _authorized(state: _State, request: web.Request) -> bool:
+    # /admin routes check their own signatures; /health decides what it tells.
+    return not request.path.startswith(_KEYED_PREFIXES) or _has_key(state, request)
+
+
+def _check_headers(request: web.Request) -> None:
+    # aiohttp hands undecodable header bytes over as lone surrogates; refuse them here, once.
+    for name, value in request.headers.items():
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            raise ApiError(
+                400, f"the {escape(name, 64)} header is not valid UTF-8", code="invalid_header"
+            ) from None
+
+
+@contextlib.contextmanager
+def _counted(state: _State, request: web.Request) -> Iterator[None]:
+    """One more request in flight, or a 503 when the cap is reached (only /v1 counts)."""
+    if not request.path.startswith("/v1/"):
+        yield
+        return
+    if state.in_flight >= state.max_in_flight:
+        raise ApiError(
+            503,
+            f"the server is handling {state.in_flight} requests, its limit; retry shortly",
+            type="server_overloaded",
+            code="too_many_requests",
+            headers={"Retry-After": str(ADMISSION_RETRY_AFTER_S)},
+        )
+    state.in_flight += 1
+    try:
+        yield
+    finally:
+        state.in_flight -= 1
 
 
 @web.middleware
@@ -195,6 +258,7 @@ async def _middleware(
     started = time.perf_counter()
     status = 500
     try:
+        _check_headers(request)
         if not _authorized(state, request):
             raise ApiError(
                 401,
@@ -202,7 +266,8 @@ async def _middleware(
                 code="invalid_api_key",
                 headers={"WWW-Authenticate": "Bearer"},
             )
-        response = await handler(request)
+        with _counted(state, request):
+            response = await handler(request)
         if not response.prepared:
             response.headers["X-Request-Id"] = request_id
         status = response.status
@@ -210,7 +275,7 @@ async def _middleware(
     except ApiError as exc:
         status = exc.status
         return error_response(exc, request_id)
-    except (AdmissionRejected, BackendUnavailable) as exc:
+    except (AdmissionRejected, BackendUnavailable, RequestRefused, SequenceFailed) as exc:
         error = from_backend_error(exc)
         status = error.status
         return error_response(error, request_id)
@@ -225,7 +290,7 @@ async def _middleware(
         status = 499
         raise
     except Exception:
-        log.exception("%s %s %s failed", request_id, request.method, request.path)
+        log.exception("%s %s %s failed", request_id, escape(request.method), escape(request.path))
         return error_response(from_backend_error(RuntimeError()), request_id)
     finally:
         tokens, note = info.tokens, info.note
@@ -237,8 +302,8 @@ async def _middleware(
         log.info(
             "%s %s %s %d %.3fs%s%s",
             request_id,
-            request.method,
-            request.path,
+            escape(request.method),
+            escape(request.path),
             status,
             time.perf_counter() - started,
             f" prompt_tokens={tokens[0]} completion_tokens={tokens[1]}" if tokens else "",
@@ -275,12 +340,9 @@ async def _model(request: web.Request) -> web.Response:
 async def _health(request: web.Request) -> web.Response:
     state = request.app[STATE]
     health = state.backend.health()
-    body = {
-        "status": "ok" if health.ready else "unavailable",
-        "model": state.model_name,
-        "detail": health.detail,
-        "stages": list(health.stages),
-    }
+    body: dict[str, Any] = {"status": "ok" if health.ready else "unavailable"}
+    if _has_key(state, request):  # the stages' detail is for whoever holds the key
+        body.update(model=state.model_name, detail=health.detail, stages=list(health.stages))
     return web.json_response(body, status=200 if health.ready else 503)
 
 
@@ -288,8 +350,16 @@ async def _health(request: web.Request) -> web.Response:
 
 
 async def _read_json(request: web.Request) -> dict[str, Any]:
+    state = request.app[STATE]
     try:
-        raw = await request.read()
+        async with asyncio.timeout(state.body_timeout_s):
+            raw = await request.read()
+    except TimeoutError:
+        raise ApiError(
+            408,
+            f"the request body did not arrive within {state.body_timeout_s:g} s",
+            code="request_timeout",
+        ) from None
     except web.HTTPRequestEntityTooLarge:
         limit = request.app[STATE].max_body_bytes
         raise ApiError(

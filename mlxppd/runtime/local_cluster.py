@@ -1,7 +1,9 @@
 """A local cluster: N real stage processes on loopback plus the coordinator in this process.
 
 Stages start in ascending order, each waited for until its transport port listens, then the
-coordinator. Any failure stops everything already started; Ctrl-C stops it all. Stage processes
+coordinator. The secret is a fresh one in a private temporary directory, or the
+``--cluster-secret-file`` given (so ``mlxppctl --cluster-secret-file`` signs for it). Any
+failure stops everything already started; Ctrl-C stops it all. Stage processes
 live in their own session (a terminal's Ctrl-C reaches only this supervisor, which stops them in
 order) and ask the kernel to end them if the supervisor dies, so none is ever left behind.
 """
@@ -28,6 +30,7 @@ from mlxppd.core.config.render import render_cluster_toml
 from mlxppd.core.errors import TemporaryError
 from mlxppd.core.layer_ranges import LayerRange, format_pp_layers
 from mlxppd.runtime.serve import NodeOptions
+from mlxppd.wire.secret import load_cluster_secret
 
 log = logging.getLogger("mlxppd.local")
 
@@ -78,12 +81,23 @@ class LocalCluster:
     log_level: str = "INFO"
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="mlxpp-local-")))
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    given_secret_file: str | None = None
+    """--cluster-secret-file: the stages and the coordinator use it; None: a fresh secret"""
 
     def __post_init__(self) -> None:
-        self.secret_file = self.workdir / "cluster.secret"
-        fd = os.open(self.secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(32) + "\n")
+        if self.given_secret_file is not None:
+            # Checked here, so a bad file is one error, not a stage that failed to start.
+            self.secret_file = Path(self.given_secret_file).expanduser().absolute()
+            try:
+                load_cluster_secret(flag_path=self.secret_file)
+            except BaseException:
+                shutil.rmtree(self.workdir, ignore_errors=True)
+                raise
+        else:
+            self.secret_file = self.workdir / "cluster.secret"
+            fd = os.open(self.secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32) + "\n")
         ports = [free_port() for _ in self.ranges]
         self.cluster_file = self.workdir / "cluster.toml"
         self.cluster_file.write_text(local_cluster_toml(self.ranges, ports, "mlxpp-local"))

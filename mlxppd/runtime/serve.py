@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +56,8 @@ class NodeOptions:
     parallel: int = 64
     warmup: bool = True
     alias: str | None = None
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
+    """the OpenAI API bearer key (--api-key or the content of --api-key-file); never shown"""
     ready_file: Path | None = None
     once_prompt: str | None = None
     once_max_tokens: int = 64

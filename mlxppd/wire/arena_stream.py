@@ -4,6 +4,9 @@ The kernel's bytes land in the arena; readers get views of it (valid until their
 await), records too large for it stream through it in pieces. Subclasses only say how more
 bytes arrive (``_fill``): ``SocketByteStream`` from its own readiness callback or one exact
 ``recv_into``, ``ProtocolByteStream`` from asyncio's transport.
+
+Until the handshake is accepted the arena is ``HANDSHAKE_BUFFER_BYTES`` (every handshake read
+fits); ``open_buffers()`` then grows it to its full size, keeping any unread bytes.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 from abc import abstractmethod
 from collections.abc import Callable
 
-from mlxppd.wire.streams import ByteStream, StreamEOF
+from mlxppd.wire.streams import HANDSHAKE_BUFFER_BYTES, ByteStream, StreamEOF
 
 __all__ = ["ArenaStream"]
 
@@ -19,11 +22,34 @@ __all__ = ["ArenaStream"]
 class ArenaStream(ByteStream):
     """A byte stream whose unread bytes are ``_arena[_start:_end]``."""
 
+    #: what the stream sends from (subclasses size it; empty before ``open_buffers``)
+    _send_arena: memoryview
+
     def _init_arena(self, arena_bytes: int) -> None:
         self.chunk_size = arena_bytes
-        self._arena = memoryview(bytearray(arena_bytes))
+        self._full_arena_bytes = arena_bytes
+        # Small until the peer is authenticated: a silent or hostile connection costs little.
+        self._arena = memoryview(bytearray(min(arena_bytes, HANDSHAKE_BUFFER_BYTES)))
         self._start = 0  # unread bytes of the arena are [_start, _end)
         self._end = 0
+        self._send_arena = memoryview(bytearray(0))
+
+    def _grow_arena(self) -> bool:
+        """Grow the arena to its full size, keeping unread bytes; True when it grew.
+
+        Only between a reader's awaits (the caller holds no view into the arena then).
+        """
+        if len(self._arena) >= self._full_arena_bytes:
+            return False
+        unread = self._end - self._start
+        arena = memoryview(bytearray(self._full_arena_bytes))
+        arena[:unread] = self._arena[self._start : self._end]
+        self._arena, self._start, self._end = arena, 0, unread
+        return True
+
+    @property
+    def buffer_bytes(self) -> int:
+        return len(self._arena) + len(self._send_arena)
 
     @abstractmethod
     async def _fill(self, want: int) -> None:

@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
+from mlxppd.core.log_text import quoted
 from mlxppd.wire.codec import (
     Message,
     MessageAssembler,
@@ -391,4 +392,4 @@ class SecureChannel:
             raise ChannelClosedError(f"the channel to {self._describe()} is closed", clean=True)
 
     def _describe(self) -> str:
-        return f"node '{self.peer_node_id}' at {self.peer_address}"
+        return f"node {quoted(self.peer_node_id)} at {self.peer_address}"

@@ -33,7 +33,7 @@ import orjson
 
 from mlxppd.wire.dtypes import DType, dtype_by_code, dtype_by_name, dtype_for_buffer_format
 from mlxppd.wire.errors import FrameError, FrameRejectReason, MessageEncodingError
-from mlxppd.wire.limits import MAX_NDIM, FrameLimits
+from mlxppd.wire.limits import MAX_NDIM, Alloc, FrameLimits, received_buffer
 from mlxppd.wire.version import PROTOCOL_VERSION
 
 __all__ = [
@@ -271,7 +271,8 @@ class MessageAssembler:
     written there), then call ``finish()`` once the record is authenticated. A malformed head
     does not raise at once: the remaining bytes are swallowed so the caller can still check the
     record's tag, and ``finish()`` raises then. Every allocation is bounded by ``length``, which
-    the caller has already bounded by ``limits.max_frame_bytes``.
+    the caller has already bounded by ``limits.max_frame_bytes``; the tensor's memory is only
+    reserved once the head passed its checks, and is committed as its bytes arrive.
     """
 
     def __init__(
@@ -280,7 +281,7 @@ class MessageAssembler:
         limits: FrameLimits,
         *,
         into: object | None = None,
-        alloc: Callable[[int], bytearray] = bytearray,
+        alloc: Alloc = received_buffer,
     ):
         self._limits = limits
         self._length = length
@@ -439,7 +440,7 @@ def _check_payload(
     return dtype, None
 
 
-def _destination(nbytes: int, into: object | None, alloc: Callable[[int], bytearray]) -> memoryview:
+def _destination(nbytes: int, into: object | None, alloc: Alloc) -> memoryview:
     """Where ``nbytes`` of tensor data go: the caller's buffer if it fits, else fresh memory."""
     if into is not None:
         try:

@@ -19,6 +19,7 @@ __all__ = [
     "MessageEncodingError",
     "PeerAtCapacityError",
     "FrameRejectReason",
+    "PreauthRefusal",
     "VersionMismatchError",
 ]
 
@@ -56,6 +57,13 @@ class HandshakeFailure(enum.StrEnum):
     REFUSED = "refused"  # an authentic refusal verdict
     TIMEOUT = "timeout"
     CLOSED = "closed"  # the connection ended during the handshake
+
+
+class PreauthRefusal(enum.StrEnum):
+    """Why a listener closed a connection before reading it (``preauth_refused`` keys)."""
+
+    HANDSHAKES_IN_PROGRESS = "handshakes_in_progress"  # max_handshakes are already running
+    HANDSHAKES_FROM_SOURCE = "handshakes_from_source"  # max_handshakes_per_source from its host
 
 
 class MessageEncodingError(PermanentError):

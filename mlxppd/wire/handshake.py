@@ -31,6 +31,7 @@ from typing import Literal
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from mlxppd.core.log_text import quoted
 from mlxppd.wire.errors import FrameError, FrameRejectReason, HandshakeError, HandshakeFailure
 from mlxppd.wire.version import PROTOCOL_VERSION
 
@@ -57,6 +58,7 @@ __all__ = [
     "pack_envelope",
     "parse_envelope",
     "transcript",
+    "valid_name",
     "verify_proof",
 ]
 
@@ -69,7 +71,8 @@ MAX_VERDICT_REASON = 512
 _HELLO_FIXED = struct.Struct(f">{NONCE_BYTES}sH")
 _VERDICT = struct.Struct(">BH")
 _NAME_LIMIT = 255
-_NODE_ID_RE = re.compile(r"[A-Za-z0-9._-]+")  # as in the cluster TOML
+# Node ids as in the cluster TOML; cluster names too, since both are logged on receipt.
+_NAME_RE = re.compile(r"[A-Za-z0-9._-]+")
 
 # Domain-separation labels: a proof for one role can never pass as the other's, and key
 # derivation never reuses a MAC input.
@@ -164,8 +167,17 @@ def encode_hello(htype: HandshakeType, hello: Hello) -> bytes:
     return pack_envelope(htype, body)
 
 
+def valid_name(text: str) -> bool:
+    """Whether ``text`` may be a cluster name or node id in a hello (pure)."""
+    return bool(_NAME_RE.fullmatch(text)) and len(text) <= _NAME_LIMIT
+
+
 def decode_hello(body: bytes) -> Hello:
-    """Parse a hello body; anything malformed is ``HandshakeError(bad_hello)``."""
+    """Parse a hello body; anything malformed is ``HandshakeError(bad_hello)``.
+
+    The cluster name and node id must be ``[A-Za-z0-9._-]+``; the error shows an offending
+    one escaped (``quoted``), since it is the peer's text and ends up in a log line.
+    """
     try:
         nonce, rdma_version = _HELLO_FIXED.unpack_from(body)
         pos = _HELLO_FIXED.size
@@ -177,10 +189,17 @@ def decode_hello(body: bytes) -> Hello:
                 raise ValueError("short name")
             names.append(raw.decode("utf-8"))
             pos += 1 + n
-        if pos != len(body) or not _NODE_ID_RE.fullmatch(names[1]):
+        if pos != len(body):
             raise ValueError("bad layout")
     except (struct.error, IndexError, ValueError):
         raise HandshakeError(HandshakeFailure.BAD_HELLO, "malformed hello from the peer") from None
+    for what, name in zip(("cluster name", "node id"), names, strict=True):
+        if not _NAME_RE.fullmatch(name):
+            raise HandshakeError(
+                HandshakeFailure.BAD_HELLO,
+                f"malformed hello from the peer: its {what} {quoted(name)} holds "
+                "characters outside [A-Za-z0-9._-]",
+            )
     return Hello(nonce, rdma_version, names[0], names[1])
 
 

@@ -6,9 +6,11 @@ reserved for it; a frame that exceeds them is rejected and its connection closed
 
 from __future__ import annotations
 
+import mmap
+from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["MAX_NDIM", "FrameLimits"]
+__all__ = ["LAZY_BUFFER_BYTES", "MAX_NDIM", "Alloc", "FrameLimits", "received_buffer"]
 
 #: Most tensor dimensions a message may declare (activations are at most 4-D in practice).
 MAX_NDIM = 8
@@ -39,3 +41,23 @@ class FrameLimits:
                 f"max_metadata_bytes must be between 0 and {_METADATA_CEILING} and at most "
                 f"max_frame_bytes, not {self.max_metadata_bytes}"
             )
+
+
+#: Received tensors at least this large go into memory the OS commits page by page as bytes
+#: are written (an anonymous mapping), not memory zeroed up front.
+LAZY_BUFFER_BYTES = 1024 * 1024
+
+#: Makes fresh writable memory of a given size for received tensor bytes.
+Alloc = Callable[[int], bytearray | mmap.mmap]
+
+
+def received_buffer(n: int) -> bytearray | mmap.mmap:
+    """Fresh writable memory for ``n`` bytes of a tensor being received.
+
+    A large record's tag is only checked after its last byte, so the buffer is allocated while
+    its length is still unauthenticated: as a lazily committed mapping it costs address space,
+    and resident memory only for the bytes that actually arrive.
+    """
+    if n >= LAZY_BUFFER_BYTES:
+        return mmap.mmap(-1, n)
+    return bytearray(n)

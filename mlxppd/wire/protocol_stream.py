@@ -1,7 +1,8 @@
 """The ``tcp`` backend's byte stream: an asyncio transport that receives into one arena.
 
 asyncio's transport drives the socket (so it runs on any event loop); as a
-``BufferedProtocol`` it ``recv_into``s this stream's preallocated arena instead of handing over
+``BufferedProtocol`` it ``recv_into``s this stream's arena (small until the handshake is
+accepted, then preallocated at full size: ``open_buffers``) instead of handing over
 a fresh bytes object per read, and readers get views of the arena. That is one copy fewer
 than asyncio's StreamReader (which joins reads into its own buffer, then slices out bytes) and
 lets a decode step's record be opened straight from where the kernel put it.
@@ -20,7 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import cast
 
 from mlxppd.wire.arena_stream import ArenaStream
-from mlxppd.wire.streams import CHUNK_BYTES, Buffer, StreamEOF, format_address
+from mlxppd.wire.streams import CHUNK_BYTES, Buffer, StreamEOF, format_address, format_host
 
 __all__ = ["ProtocolByteStream"]
 
@@ -37,7 +38,6 @@ class ProtocolByteStream(ArenaStream, asyncio.BufferedProtocol):
         self._on_connected = on_connected
         self.peer = "?"
         self._init_arena(arena_bytes)
-        self._send_arena = memoryview(bytearray(0))
         self._transport: asyncio.Transport | None = None
         self._eof = False
         self._reading_paused = False
@@ -50,11 +50,13 @@ class ProtocolByteStream(ArenaStream, asyncio.BufferedProtocol):
     async def from_socket(
         cls, sock: socket.socket, *, arena_bytes: int = CHUNK_BYTES
     ) -> ProtocolByteStream:
-        """Wrap an already connected socket (a peer that falls back from the fast path)."""
+        """Wrap an already connected socket (a peer that falls back from the fast path), whose
+        handshake was accepted: its buffers are full-size at once."""
         loop = asyncio.get_running_loop()
         _, stream = await loop.connect_accepted_socket(
             lambda: cls(arena_bytes=arena_bytes), sock=sock
         )
+        stream.open_buffers()
         return stream
 
     # -- protocol callbacks (the event loop calls these) -----------------------------------------
@@ -62,7 +64,8 @@ class ProtocolByteStream(ArenaStream, asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses, but offer the same methods.
         self._transport = stream_transport = cast(asyncio.Transport, transport)
-        self.peer = format_address(stream_transport.get_extra_info("peername"))
+        peername = stream_transport.get_extra_info("peername")
+        self.peer, self.peer_host = format_address(peername), format_host(peername)
         stream_transport.set_write_buffer_limits(high=0)
         if self._on_connected is not None:
             self._on_connected(self)
@@ -102,6 +105,11 @@ class ProtocolByteStream(ArenaStream, asyncio.BufferedProtocol):
         self._writing_paused = False
         if self._drain_waiter is not None and not self._drain_waiter.done():
             self._drain_waiter.set_result(None)
+
+    def open_buffers(self) -> None:
+        if self._grow_arena() and self._reading_paused and self._transport is not None:
+            self._reading_paused = False  # the small arena had filled up: there is room now
+            self._transport.resume_reading()
 
     # -- reading ------------------------------------------------------------------------------
 

@@ -50,6 +50,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+#: Seconds the accept loop waits after a failed accept, and between two log lines about it.
+_ACCEPT_RETRY_S = 0.1
+_ACCEPT_LOG_INTERVAL_S = 10.0
+
 
 class FallbackLog:
     """Emits the host-level fallback line at most once (one instance per process by default)."""
@@ -177,12 +181,18 @@ class RdmaTransport(TcpTransport):
         self, sock: socket.socket, on_stream: Callable[[ByteStream], None]
     ) -> None:
         loop = asyncio.get_running_loop()
+        failures, next_log = 0, 0.0
         while True:
             try:
                 conn, _ = await loop.sock_accept(sock)
-            except OSError as exc:  # e.g. out of file descriptors: back off, keep serving
-                log.warning("wire: accept failed: %s", exc)
-                await asyncio.sleep(0.1)
+            except OSError as exc:
+                # E.g. out of file descriptors (EMFILE): back off instead of spinning on a
+                # listening socket that stays readable, keep serving, log once in a while.
+                failures += 1
+                if loop.time() >= next_log:
+                    log.warning("wire: accept failed (%d times): %s", failures, exc)
+                    failures, next_log = 0, loop.time() + _ACCEPT_LOG_INTERVAL_S
+                await asyncio.sleep(_ACCEPT_RETRY_S)
                 continue
             try:
                 stream = SocketByteStream(conn, arena_bytes=self._arena_bytes)

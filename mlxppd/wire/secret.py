@@ -6,23 +6,39 @@ The lookup order (docs/operations.md, "The cluster secret"):
 The secret is the file's (or variable's) bytes with surrounding whitespace removed, so the
 ``openssl rand -hex 32 > cluster.secret`` recipe and ``mlxppctl secret new`` both work.
 
+A secret must carry at least 128 bits of randomness, and its form says whether it can: at least
+32 hex digits, or at least 22 base64 / base64url characters (16 bytes; line breaks allowed), or
+at least 16 bytes that are not text (raw random bytes). Any other text, such as a password or a
+passphrase, is refused, as are lower-case words (``correct-horse-battery-staple``) and a value of
+fewer than 8 distinct characters. The form is all that can
+be checked: ``mlxppctl secret new PATH`` makes a good one. A secret file is read as
+``mlxppd.core.config.private_file`` says (no symbolic link; mode 600; owned by the reader or
+root).
+
 The bytes never appear in a repr, an error message or a log line.
 """
 
 from __future__ import annotations
 
-import logging
 import os
+import re
 import secrets
-import stat
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mlxppd.core.config.private_file import (
+    ALLOW_LOOSE_FLAG,
+    ENV_ALLOW_LOOSE,
+    allow_loose_from,
+    read_private_file,
+)
 from mlxppd.core.errors import ConfigurationError
 
 __all__ = [
+    "ALLOW_LOOSE_FLAG",
+    "ENV_ALLOW_LOOSE",
     "ENV_SECRET",
     "ENV_SECRET_FILE",
     "MIN_SECRET_BYTES",
@@ -32,10 +48,9 @@ __all__ = [
     "load_cluster_secret",
     "new_secret_text",
     "resolve_secret_source",
+    "secret_weakness",
     "write_new_secret",
 ]
-
-log = logging.getLogger(__name__)
 
 ENV_SECRET_FILE = "MLXPP_CLUSTER_SECRET_FILE"
 ENV_SECRET = "MLXPP_CLUSTER_SECRET"
@@ -44,6 +59,20 @@ CONFIG_KEY = "[cluster] secret_file"
 #: Every place the secret is looked up, in lookup order.
 SECRET_SOURCES: tuple[str, ...] = (FLAG, ENV_SECRET_FILE, ENV_SECRET, CONFIG_KEY)
 MIN_SECRET_BYTES = 16
+#: 128 bits written as hex (4 bits a digit) and as base64 (6 bits a character)
+MIN_HEX_DIGITS = 32
+MIN_BASE64_CHARS = 22
+#: fewer distinct characters than this is a pattern, not randomness
+MIN_DISTINCT = 8
+_HEX = re.compile(rb"[0-9A-Fa-f]+")
+_BASE64 = re.compile(rb"([A-Za-z0-9+/]+|[A-Za-z0-9_-]+)(={0,2})")
+#: lower-case words, maybe joined by - or _: a passphrase (random base64 is never only this)
+_WORDS = re.compile(rb"[a-z_-]+")
+_NEW_SECRET = (
+    "a cluster secret carries at least 128 bits of randomness: at least 32 hex digits, 22 "
+    "base64 characters or 16 random bytes; make one with `mlxppctl secret new PATH` and copy it "
+    "to every host"
+)
 
 _SOURCES_HELP = (
     f"the secret is looked up in this order: 1. {FLAG} PATH, 2. {ENV_SECRET_FILE} (a path), "
@@ -118,11 +147,16 @@ def load_cluster_secret(
     environ: Mapping[str, str] | None = None,
     config_secret_file: str | None = None,
     config_dir: Path | None = None,
+    allow_loose: bool | None = None,
 ) -> ClusterSecret:
-    """Find and read the cluster secret; a missing or short one is a ConfigurationError."""
+    """Find and read the cluster secret; a missing, loose or weak one is a ConfigurationError.
+
+    ``allow_loose`` (``--allow-loose-secret-file``; None: ``MLXPP_ALLOW_LOOSE_SECRET_FILE`` in
+    ``environ``) lets a file that fails the permission rule be used, with a warning."""
+    environ = os.environ if environ is None else environ
     source = resolve_secret_source(
         flag_path=flag_path,
-        environ=os.environ if environ is None else environ,
+        environ=environ,
         config_secret_file=config_secret_file,
         config_dir=config_dir,
     )
@@ -133,39 +167,59 @@ def load_cluster_secret(
     if source.path is None:
         raw = (source.value or "").encode()
     else:
-        raw = _read_secret_file(source)
+        raw = read_private_file(
+            source.path,
+            what="the cluster secret file",
+            named_by=source.origin,
+            allow_loose=allow_loose_from(environ) if allow_loose is None else allow_loose,
+            hint=_SOURCES_HELP,
+        )
     value = raw.strip()
-    if len(value) < MIN_SECRET_BYTES:
+    weakness = secret_weakness(value)
+    if weakness is not None:
         raise ConfigurationError(
-            f"the cluster secret from {_describe(source)} is {len(value)} bytes, shorter than "
-            f"the {MIN_SECRET_BYTES} bytes required; {_SOURCES_HELP}"
+            f"the cluster secret from {_describe(source)} is too weak ({weakness}); {_NEW_SECRET}"
         )
     return ClusterSecret(value, _describe(source))
 
 
-def _read_secret_file(source: SecretSource) -> bytes:
-    assert source.path is not None
+def _is_text(value: bytes) -> bool:
+    """UTF-8 without control characters other than tab and line breaks: typed, not random."""
     try:
-        with open(source.path, "rb") as f:
-            mode = os.fstat(f.fileno()).st_mode
-            raw = f.read(64 * 1024 + 1)  # a secret file is tiny; never slurp a huge one
-    except OSError as exc:
-        raise ConfigurationError(
-            f"cannot read the cluster secret file {source.path} named by {source.origin}: "
-            f"{exc.strerror or exc}; {_SOURCES_HELP}"
-        ) from None
-    if len(raw) > 64 * 1024:
-        raise ConfigurationError(
-            f"the cluster secret file {source.path} named by {source.origin} is larger than "
-            "64 KiB; point it at the secret file itself"
-        )
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        log.warning(
-            "cluster secret file %s is accessible to other users (mode %03o); run chmod 600 on it",
-            source.path,
-            stat.S_IMODE(mode),
-        )
-    return raw
+        text = value.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return all(c.isprintable() or c in "\t\r\n" for c in text)
+
+
+def secret_weakness(value: bytes) -> str | None:
+    """Why ``value`` (already stripped) cannot be a cluster secret, or None (pure).
+
+    Hex needs 32 digits, base64/base64url 22 characters, raw bytes (anything that is not text)
+    16 bytes; other text (a password, lower-case words) is refused, and so is a value of under
+    8 distinct bytes."""
+    if not value:
+        return "it is empty"
+    if _is_text(value):
+        if _HEX.fullmatch(value):
+            if len(value) < MIN_HEX_DIGITS:
+                return f"{len(value)} hex digits, {len(value) * 4} bits"
+        elif match := _BASE64.fullmatch(unwrapped := value.replace(b"\r", b"").replace(b"\n", b"")):
+            # Base64 may come wrapped in lines (`openssl rand -base64 64`).
+            chars = len(match[1])
+            if chars % 4 == 1 or (match[2] and len(unwrapped) % 4):
+                return "it is not valid base64"
+            if chars < MIN_BASE64_CHARS:
+                return f"{chars} characters, at most {chars * 6} bits even as base64"
+            if _WORDS.fullmatch(unwrapped):
+                return "it is lower-case words, like a passphrase"
+        else:
+            return "it is text that is neither hex nor base64, like a password or a passphrase"
+    elif len(value) < MIN_SECRET_BYTES:
+        return f"{len(value)} bytes"
+    if len(set(value)) < MIN_DISTINCT:
+        return f"only {len(set(value))} distinct characters, a pattern rather than random"
+    return None
 
 
 def new_secret_text() -> str:

@@ -19,6 +19,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from mlxppd.core.log_text import quoted
 from mlxppd.wire.channel import read_small_record
 from mlxppd.wire.errors import (
     ChannelClosedError,
@@ -109,7 +110,13 @@ async def _read_envelope(stream: ByteStream, *expected: HandshakeType) -> tuple[
 
 
 def _who(stream: ByteStream, hello: Hello) -> str:
-    return f"peer {stream.peer} (node '{hello.node_id}')"
+    # The peer's own words (node id, cluster name, verdict reason) are escaped: log lines.
+    return f"peer {stream.peer} (node {quoted(hello.node_id)})"
+
+
+def _mismatch(who: str, peer: Hello, me: Identity) -> str:
+    theirs, ours = quoted(peer.cluster_name), quoted(me.cluster_name)
+    return f"{who} belongs to cluster {theirs}, this node to {ours}"
 
 
 async def client_handshake(
@@ -138,7 +145,7 @@ async def client_handshake(
         await abort(
             AbortReason.CLUSTER_MISMATCH,
             HandshakeFailure.CLUSTER_MISMATCH,
-            f"{who} belongs to cluster '{peer.cluster_name}', this node to '{me.cluster_name}'",
+            _mismatch(who, peer, me),
         )
     if len(proof) != PROOF_BYTES or not verify_proof(secret, "server", seen, proof):
         await abort(
@@ -151,7 +158,7 @@ async def client_handshake(
         await abort(
             AbortReason.UNEXPECTED_PEER,
             HandshakeFailure.UNEXPECTED_PEER,
-            f"{who} answered, but this node meant to reach node '{expected_peer}'",
+            f"{who} answered, but this node meant to reach node {quoted(expected_peer)}",
         )
     proof_msg = pack_envelope(HandshakeType.CLIENT_PROOF, compute_proof(secret, "client", seen))
     await stream.write((proof_msg,))
@@ -176,9 +183,9 @@ async def client_handshake(
             HandshakeFailure.CLOSED, f"{who} closed the connection before its verdict"
         ) from None
     if verdict is Verdict.AT_CAPACITY:
-        raise PeerAtCapacityError(f"{who} is at capacity ({reason}); retry later")
+        raise PeerAtCapacityError(f"{who} is at capacity ({quoted(reason)}); retry later")
     if verdict is Verdict.REFUSED:
-        raise HandshakeError(HandshakeFailure.REFUSED, f"{who} refused this node: {reason}")
+        raise HandshakeError(HandshakeFailure.REFUSED, f"{who} refused this node: {quoted(reason)}")
     return HandshakeResult(peer, sealer, opener)
 
 
@@ -206,10 +213,7 @@ async def server_handshake(stream: ByteStream, me: Identity, decide: Decide) -> 
     await stream.write((server_hello, proof))
     who = _who(stream, peer)
     if peer.cluster_name != me.cluster_name:
-        raise HandshakeError(
-            HandshakeFailure.CLUSTER_MISMATCH,
-            f"{who} belongs to cluster '{peer.cluster_name}', this node to '{me.cluster_name}'",
-        )
+        raise HandshakeError(HandshakeFailure.CLUSTER_MISMATCH, _mismatch(who, peer, me))
     htype, _, answer = await _read_envelope(
         stream, HandshakeType.CLIENT_PROOF, HandshakeType.CLIENT_ABORT
     )

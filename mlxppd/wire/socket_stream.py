@@ -1,5 +1,8 @@
 """The fast path's byte stream: a non-blocking socket with preallocated ("registered") buffers.
 
+Both arenas are allocated at full size only once the handshake is accepted (``open_buffers``);
+until then the receive arena is ``HANDSHAKE_BUFFER_BYTES`` and there is no send arena.
+
 * Receive: one arena per connection. After the handshake the socket stays registered with the
   event loop, and every readiness callback does one ``recv_into`` straight into the arena's free
   space (read-ahead), so a small record costs one system call and one task wake-up. Readers
@@ -27,6 +30,7 @@ from mlxppd.wire.streams import (
     StreamEOF,
     advance_buffers,
     format_address,
+    format_host,
 )
 
 __all__ = ["SocketByteStream"]
@@ -42,9 +46,9 @@ class SocketByteStream(ArenaStream):
         self._sock: socket.socket | None = sock
         self._fd = sock.fileno()
         self._loop = asyncio.get_running_loop()
-        self.peer = format_address(sock.getpeername())
-        self._init_arena(arena_bytes)
-        self._send_arena = memoryview(bytearray(arena_bytes))
+        peername = sock.getpeername()
+        self.peer, self.peer_host = format_address(peername), format_host(peername)
+        self._init_arena(arena_bytes)  # the send arena waits for ``open_buffers``
         self._readahead = False
         self._registered = False  # the read-ahead callback is registered with the loop
         self._eof = False
@@ -55,6 +59,11 @@ class SocketByteStream(ArenaStream):
         self._closed = asyncio.Event()
 
     # -- modes --------------------------------------------------------------------------------
+
+    def open_buffers(self) -> None:
+        self._grow_arena()
+        if len(self._send_arena) < self.chunk_size:
+            self._send_arena = memoryview(bytearray(self.chunk_size))
 
     def enable_readahead(self) -> None:
         """Keep the socket registered and read ahead into the arena (after the handshake)."""

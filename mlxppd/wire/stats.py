@@ -10,7 +10,8 @@ __all__ = ["WireStats"]
 
 @dataclass
 class WireStats:
-    """Plain counters; keys are ``HandshakeFailure`` / ``FrameRejectReason`` / ``Verdict`` names.
+    """Plain counters; keys are ``HandshakeFailure`` / ``FrameRejectReason`` / ``Verdict`` /
+    ``PreauthRefusal`` names.
 
     A tampered verdict is both a rejected frame and a failed handshake, so it shows in both.
     """
@@ -23,6 +24,8 @@ class WireStats:
     verdicts_sent: Counter[str] = field(default_factory=Counter)
     #: handshakes that ended with an accepted channel, either role
     channels_established: int = 0
+    #: connections a listener closed unread because too many handshakes were in progress
+    preauth_refused: Counter[str] = field(default_factory=Counter)
 
     def snapshot(self) -> dict[str, object]:
         """A copy safe to hand to another thread or serialize."""
@@ -31,4 +34,5 @@ class WireStats:
             "rejected_frames": dict(self.rejected_frames),
             "verdicts_sent": dict(self.verdicts_sent),
             "channels_established": self.channels_established,
+            "preauth_refused": dict(self.preauth_refused),
         }

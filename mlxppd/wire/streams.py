@@ -18,16 +18,23 @@ from mlxppd.core.config.addresses import join_host_port
 
 __all__ = [
     "CHUNK_BYTES",
+    "HANDSHAKE_BUFFER_BYTES",
     "Buffer",
     "ByteStream",
     "StreamEOF",
     "advance_buffers",
     "format_address",
+    "format_host",
 ]
 
 #: Size of the pieces large records are encrypted, sent and decrypted in: big enough to keep
 #: per-call overhead small, small enough to stay in cache between the cipher and the kernel.
 CHUNK_BYTES = 1024 * 1024
+
+#: Receive buffer of a connection until its handshake is accepted: the largest handshake read
+#: is a 1024-byte body or a 1024-byte verdict record (plus header and tag), so an
+#: unauthenticated peer never makes this process hold more than this per connection.
+HANDSHAKE_BUFFER_BYTES = 4096
 
 Buffer = bytes | bytearray | memoryview
 
@@ -38,6 +45,13 @@ class StreamEOF(Exception):
     def __init__(self, received: int = 0):
         self.received = received
         super().__init__(f"connection closed after {received} bytes of a read")
+
+
+def format_host(addr: object) -> str:
+    """The host of a socket address tuple (the key of per-source limits), or ``?``."""
+    if isinstance(addr, tuple) and len(addr) >= 2:
+        return str(addr[0])
+    return "?"
 
 
 def format_address(addr: object) -> str:
@@ -64,8 +78,20 @@ class ByteStream(ABC):
 
     #: the peer's address as ``host:port``, for log lines and per-peer state
     peer: str
+    #: the peer's host alone, what per-source limits count by
+    peer_host: str = "?"
     #: preferred size of one encrypted piece of a large record
     chunk_size: int = CHUNK_BYTES
+
+    def open_buffers(self) -> None:
+        """The handshake was accepted: allocate the full-size buffers (until then a stream
+        holds at most ``HANDSHAKE_BUFFER_BYTES`` of receive buffer). Idempotent."""
+        return None  # a stream without buffers of its own has nothing to grow
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of receive and send buffer this stream holds now."""
+        return 0
 
     @abstractmethod
     async def read_exactly(self, n: int) -> memoryview:

@@ -16,7 +16,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from mlxppd.core.errors import TemporaryError
+from mlxppd.core.errors import ConfigurationError, TemporaryError
+from mlxppd.core.log_text import quoted
+from mlxppd.core.log_throttle import LogThrottle
 from mlxppd.wire.channel import SecureChannel
 from mlxppd.wire.errors import (
     ChannelClosedError,
@@ -25,8 +27,9 @@ from mlxppd.wire.errors import (
     HandshakeFailure,
     PeerAtCapacityError,
 )
-from mlxppd.wire.handshake import Hello, Verdict
+from mlxppd.wire.handshake import Hello, Verdict, valid_name
 from mlxppd.wire.limits import FrameLimits
+from mlxppd.wire.preauth import HandshakeGate
 from mlxppd.wire.secret import ClusterSecret
 from mlxppd.wire.session import HandshakeResult, Identity, client_handshake, server_handshake
 from mlxppd.wire.stats import WireStats
@@ -49,12 +52,32 @@ class WireConfig:
     node_id: str
     secret: ClusterSecret
     limits: FrameLimits = field(default_factory=FrameLimits)
-    #: a peer that has not completed the handshake by then is dropped (slow-loris guard)
+    #: seconds a peer has to complete the handshake, or it is dropped (slow-loris guard)
     handshake_timeout_s: float = 10.0
     #: accepted channels a listener holds at once; more get an authenticated "at capacity"
     max_connections: int = 64
     #: node ids allowed to connect (None: any node holding the secret); others are refused
     allowed_peers: frozenset[str] | None = None
+    #: connections a listener lets handshake at once; more are closed before being read
+    max_handshakes: int = 64
+    #: connections from one source address a listener lets handshake at once; more are closed
+    max_handshakes_per_source: int = 8
+
+    def __post_init__(self) -> None:
+        # Both names travel in every hello, where the peer refuses anything outside these
+        # characters: say so at start rather than fail every handshake later.
+        for what, key, value in (
+            ("cluster name", "cluster.name", self.cluster_name),
+            ("node id", "node_id", self.node_id),
+        ):
+            if not valid_name(value):
+                raise ConfigurationError(
+                    f"the {what} {quoted(value)} may only hold letters, digits, '.', "
+                    f"'_' and '-' (at most 255 bytes); rename it",
+                    key=key,
+                )
+        if self.max_handshakes < 1 or self.max_handshakes_per_source < 1:
+            raise ValueError("max_handshakes and max_handshakes_per_source must be at least 1")
 
 
 @dataclass(frozen=True)
@@ -76,6 +99,9 @@ class Listener:
         self._binding: Binding | None = None
         #: accepted channels (including ones whose verdict is on its way)
         self.active = 0
+        config = transport.config
+        #: the connections still handshaking, and the caps on them
+        self.handshakes = HandshakeGate(config.max_handshakes, config.max_handshakes_per_source)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -84,14 +110,26 @@ class Listener:
         return self._binding.address
 
     def _spawn(self, stream: ByteStream) -> None:
-        self._tasks.spawn(
+        # Runs as the connection is accepted, before anything is read from it.
+        refusal = self.handshakes.admit(stream)
+        if refusal is not None:
+            stream.close()
+            self._transport.stats.preauth_refused[refusal] += 1
+            self.handshakes.note_refusal(refusal, stream)
+            return
+        task = self._tasks.spawn(
             self._transport._serve_connection(self, stream), name=f"wire-conn-{stream.peer}"
         )
+        # A task cancelled before it ran never reaches its own release.
+        task.add_done_callback(lambda _: self.handshakes.release(stream))
 
     def _decide(self, peer: Hello) -> tuple[Verdict, str]:
         config = self._transport.config
         if config.allowed_peers is not None and peer.node_id not in config.allowed_peers:
-            return Verdict.REFUSED, f"node '{peer.node_id}' is not a member of this cluster"
+            return (
+                Verdict.REFUSED,
+                f"node {quoted(peer.node_id)} is not a member of this cluster",
+            )
         if self.active >= config.max_connections:
             return Verdict.AT_CAPACITY, f"{self.active} of {config.max_connections} connections"
         self.active += 1  # reserved now, so concurrent handshakes cannot overshoot
@@ -121,6 +159,7 @@ class Transport(ABC):
     def __init__(self, config: WireConfig, *, stats: WireStats | None = None):
         self.config = config
         self.stats = stats if stats is not None else WireStats()
+        self._failures_log = LogThrottle()
 
     # -- what backends provide ----------------------------------------------------------------
 
@@ -189,6 +228,7 @@ class Transport(ABC):
 
     async def _establish(self, stream: ByteStream, result: HandshakeResult) -> SecureChannel:
         stream = await self._after_handshake(stream, result.peer)
+        stream.open_buffers()  # the peer is authenticated and accepted: full-size buffers now
         self.stats.channels_established += 1
         return SecureChannel(
             stream,
@@ -201,8 +241,13 @@ class Transport(ABC):
             peer_rdma_version=result.peer.rdma_version,
         )
 
-    def _handshake_failed(self, exc: BaseException, peer: str) -> HandshakeError | None:
-        """Count and log a failed handshake once; the error to raise (None: re-raise ``exc``)."""
+    def _handshake_failed(
+        self, exc: BaseException, peer: str, *, accepted: bool = False
+    ) -> HandshakeError | None:
+        """Count and log a failed handshake once; the error to raise (None: re-raise ``exc``).
+
+        ``accepted``: the peer connected to us; anyone can cause that at will, so those lines
+        are throttled (the counts of the ones not logged ride on the next line)."""
         if isinstance(exc, TimeoutError):
             error = HandshakeError(
                 HandshakeFailure.TIMEOUT,
@@ -219,7 +264,13 @@ class Transport(ABC):
         self.stats.handshake_failures[error.reason] += 1
         if error.frame_error is not None:
             self.stats.rejected_frames[error.frame_error.reason] += 1
-        log.warning("wire: handshake with %s failed (%s): %s", peer, error.reason, error)
+        if not accepted:
+            log.warning("wire: handshake with %s failed (%s): %s", peer, error.reason, error)
+        elif (counts := self._failures_log.note(error.reason)) is not None:
+            log.warning(
+                "wire: handshakes from peers failed (%s); the latest, from %s: %s",
+                counts, peer, error,
+            )  # fmt: skip
         return error
 
     async def _serve_connection(self, listener: Listener, stream: ByteStream) -> None:
@@ -236,9 +287,11 @@ class Transport(ABC):
                 async with asyncio.timeout(self.config.handshake_timeout_s):
                     result = await server_handshake(stream, self._identity(), decide)
             except BaseException as exc:
-                if self._handshake_failed(exc, stream.peer) is None:
+                if self._handshake_failed(exc, stream.peer, accepted=True) is None:
                     raise
                 return
+            finally:
+                listener.handshakes.release(stream)
             self.stats.verdicts_sent[result.verdict.name.lower()] += 1
             if result.verdict is not Verdict.ACCEPTED:
                 log.info("wire: told %s: %s (%s)", stream.peer, result.verdict.name, result.reason)

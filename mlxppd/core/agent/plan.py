@@ -8,7 +8,7 @@ every case is a row in a table test.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mlxppd.core.config.cluster import ElasticPolicy
 from mlxppd.core.cpu_weights import CpuWeights
@@ -90,7 +90,7 @@ class CoordinatorTarget:
     """sequences generating at once"""
     micro_batch_size: int = 1
     """decode sequences per pipeline pass"""
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
 
     def pipeline_key(self) -> tuple[object, ...]:
         """What needs a new pipeline (reconnect) when it changes; layers alone do not."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import enum
 import json
-import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Literal
@@ -28,6 +27,7 @@ from pydantic import (
 
 from mlxppd.core.config.addresses import address_key, parse_address
 from mlxppd.core.config.messages import KeyedValueError, validation_error
+from mlxppd.core.config.names import NAME_SCHEMA, name_problem, suggested_name
 from mlxppd.core.cpu_weights import CpuWeights, CpuWeightsField
 from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.layer_ranges import LayerRange, check_layer_ranges, even_split, parse_layer_range
@@ -48,8 +48,6 @@ __all__ = [
 
 TransportBackend = Literal["tcp", "thunderbolt", "rdma"]
 Loc = tuple[str | int, ...]
-
-_ID_RE = re.compile(r"[A-Za-z0-9._-]+")
 
 
 class NodeRole(enum.StrEnum):
@@ -124,7 +122,9 @@ class ClusterSection(_Strict):
 
     name: str = Field(
         "mlxpp-cluster",
-        description="Human-readable cluster name; scopes discovery beacons.",
+        description="Cluster name (letters, digits, '.', '_', '-'; at most 255): sent in every "
+        "handshake, scopes discovery beacons, and signed into admin requests.",
+        json_schema_extra=NAME_SCHEMA,
     )
     pipeline_parallel_size: int = Field(
         ..., ge=2, strict=True, description="Number of pipeline stages (at least 2)."
@@ -170,6 +170,12 @@ class ClusterSection(_Strict):
     def _check_name(cls, value: str) -> str:
         if not value.strip():
             raise ValueError('the cluster name is empty; set name = "my-cluster" or remove the key')
+        problem = name_problem(value, "the cluster name")
+        if problem is not None:
+            raise ValueError(
+                f"{problem}, since every node sends it in its handshake; rename it, "
+                f'e.g. name = "{suggested_name(value, "my-cluster")}"'
+            )
         return value
 
     @field_validator("layers")
@@ -209,8 +215,9 @@ class Node(_Strict):
 
     id: str = Field(
         ...,
-        description="Unique node id (letters, digits, '.', '_', '-'); used by --node-id.",
-        json_schema_extra={"pattern": "^[A-Za-z0-9._-]+$"},
+        description="Unique node id (letters, digits, '.', '_', '-'; at most 255); used by "
+        "--node-id.",
+        json_schema_extra=NAME_SCHEMA,
     )
     address: str = Field(
         ..., description="host:port other nodes connect to (IPv4, [IPv6]:port or hostname)."
@@ -230,11 +237,9 @@ class Node(_Strict):
     @field_validator("id")
     @classmethod
     def _check_id(cls, value: str) -> str:
-        if not _ID_RE.fullmatch(value):
-            raise ValueError(
-                f"node id '{value}' must be non-empty and use only letters, digits, "
-                "'.', '_' and '-'"
-            )
+        problem = name_problem(value, "node id")
+        if problem is not None:
+            raise ValueError(f'{problem}; rename it, e.g. id = "stage-0"')
         return value
 
     @field_validator("address")

@@ -21,6 +21,7 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from mlxppd.core.config.messages import format_key_path, validation_error
+from mlxppd.core.config.private_file import allow_loose_from, read_private_file
 from mlxppd.core.cpu_weights import CpuWeightsField
 from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.kv_admission import DEFAULT_STAGE_SEQUENCES
@@ -35,6 +36,7 @@ __all__ = [
     "config_dir_from",
     "host_json_schema_text",
     "load_host_settings",
+    "read_api_key_file",
 ]
 
 DEFAULT_CONFIG_DIR = Path("/etc/mlxpp")
@@ -94,7 +96,16 @@ class HostSettings(BaseSettings):
     )
     http_port: int = Field(8080, ge=0, le=65535, description="TCP port of the HTTP API.")
     api_key: str | None = Field(
-        None, min_length=1, description="Bearer key clients must send to the OpenAI API."
+        None,
+        min_length=1,
+        repr=False,
+        description="Bearer key clients must send to the OpenAI API (prefer api_key_file).",
+    )
+    api_key_file: str | None = Field(
+        None,
+        min_length=1,
+        description="File holding the OpenAI API bearer key, mode 600 like the cluster secret "
+        "(relative paths are relative to the config directory); instead of api_key.",
     )
     kv_budget_bytes: int | None = Field(
         None,
@@ -220,9 +231,13 @@ def load_host_settings(
     *,
     environ: Mapping[str, str],
     overrides: Mapping[str, Any] | None = None,
+    read_api_key: bool = True,
 ) -> HostSettings:
     """This host's settings: flags (``overrides``, None values ignored) > ``environ``
-    (``MLXPP_*``) > ``config_dir/mlxppd.toml`` (optional) > defaults."""
+    (``MLXPP_*``) > ``config_dir/mlxppd.toml`` (optional) > defaults.
+
+    With ``read_api_key``, an ``api_key_file`` is read (as the cluster secret is: mode 600,
+    no link) into ``api_key``; setting both is an error."""
     path = config_dir / HOST_FILE
     file_data, text = _file_layer(path)
     _check_layer(file_data, lambda exc: validation_error(exc, HostSettings, text, str(path)))
@@ -247,9 +262,43 @@ def load_host_settings(
     _check_layer(flags, flag_error)
     token = _LAYERS.set((env_data, file_data))
     try:
-        return HostSettings(**flags)
+        settings = HostSettings(**flags)
     finally:
         _LAYERS.reset(token)
+    if settings.api_key_file is None or not read_api_key:
+        return settings
+    if settings.api_key is not None:
+        raise ConfigurationError(
+            "api_key and api_key_file are both set (in the file, MLXPP_API_KEY or "
+            "MLXPP_API_KEY_FILE); keep only api_key_file",
+            source=str(path),
+            key="api_key_file",
+        )
+    file = Path(settings.api_key_file).expanduser()
+    key = read_api_key_file(
+        file if file.is_absolute() else config_dir / file,
+        named_by="api_key_file",
+        allow_loose=allow_loose_from(environ),
+    )
+    return settings.model_copy(update={"api_key": key})
+
+
+def read_api_key_file(path: Path, *, named_by: str, allow_loose: bool) -> str:
+    """The bearer key in ``path`` (surrounding whitespace removed), read like the cluster
+    secret file; an empty key or one that cannot be a header value is an error."""
+    raw = read_private_file(
+        path, what="the API key file", named_by=named_by, allow_loose=allow_loose
+    )
+    try:
+        key = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        key = ""
+    if not key or not key.isprintable() or not key.isascii():
+        raise ConfigurationError(
+            f"the API key file {path} named by {named_by} does not hold one line of printable "
+            "ASCII text; write the key alone on one line"
+        )
+    return key
 
 
 def host_json_schema_text() -> str:

@@ -87,18 +87,24 @@ def clip(text: str | None, limit: int = MAX_TEXT_BYTES) -> str | None:
 # -- commands (coordinator -> stage) ---------------------------------------------------------
 
 
+#: most tokens of a prompt, or of a completion, that one sequence may ask a stage for
+MAX_SEQUENCE_TOKENS = 1 << 24
+#: sampling seeds are unsigned 64-bit, as mlx's PRNG key takes them
+MAX_SEED = (1 << 64) - 1
+
+
 class Admit(StrictModel):
     """Dry-run (``commit`` false) or reserve the KV bytes of one sequence."""
 
     op: Literal["admit"] = "admit"
     rid: Rid = 0
     seq: SeqId
-    prompt_tokens: int = Field(ge=1, le=1 << 24)
-    max_tokens: int = Field(ge=1, le=1 << 24)
+    prompt_tokens: int = Field(ge=1, le=MAX_SEQUENCE_TOKENS)
+    max_tokens: int = Field(ge=1, le=MAX_SEQUENCE_TOKENS)
     commit: bool = Field(description="false: dry run only; true: reserve the KV bytes")
     temperature: float = Field(0.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=-(1 << 63), le=(1 << 64) - 1)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     plan: Plan | None = Field(
         None,
         max_length=4096,
@@ -314,6 +320,7 @@ class WireCounters(StrictModel):
     rejected_frames: Counters = Field(default_factory=dict)
     verdicts_sent: Counters = Field(default_factory=dict)
     channels_established: Count = 0
+    preauth_refused: Counters = Field(default_factory=dict)
 
 
 class ReloadReport(StrictModel):

@@ -71,6 +71,14 @@ class GroupFailure(StrictModel):
     message: str = Field(max_length=1000)
 
 
+class SequenceFailure(StrictModel):
+    """ERROR: one sequence's forward or sampling failed on a stage; that request alone fails."""
+
+    seq: SeqId
+    stage: int = Field(ge=0, le=4096)
+    message: str = Field(max_length=1000)
+
+
 def regroup(previous: list[str], requested: list[str]) -> list[str]:
     """The batch order a stage expects: surviving members in order, then the newcomers."""
     wanted = set(requested)

@@ -189,7 +189,10 @@ class _StageCollector(Collector):
         active = GaugeMetricFamily("mlxpp_active_sequences", "Sequences generating now")
         active.add_metric([], self.m._active())
         yield from (queue, active)
+        yield from self._wire(stages)
 
+    def _wire(self, stages: list[StageView]) -> Iterator[Metric]:
+        """The transport's counters, summed over this node and every stage."""
         wire = [WireCounters.model_validate(self.m._wire()), *(s.report.wire for s in stages)]
         handshakes = CounterMetricFamily(
             "mlxpp_transport_handshake_failures", "Transport handshakes that failed, all nodes"
@@ -205,9 +208,20 @@ class _StageCollector(Collector):
             reasons.update(w.rejected_frames)
         for reason, n in sorted(reasons.items()):
             rejected.add_metric([reason], n)
+        preauth = CounterMetricFamily(
+            "mlxpp_transport_preauth_refused",
+            "Connections closed before their handshake was read (a cap was reached), all "
+            "nodes, by reason",
+            labels=["reason"],
+        )
+        refusals: collections.Counter[str] = collections.Counter()
+        for w in wire:
+            refusals.update(w.preauth_refused)
+        for reason, n in sorted(refusals.items()):
+            preauth.add_metric([reason], n)
         fallbacks = CounterMetricFamily("mlxpp_rdma_fallbacks", "RDMA transport fallbacks to TCP")
         fallbacks.add_metric([], self.m._rdma_fallbacks())
-        yield from (handshakes, rejected, fallbacks)
+        yield from (handshakes, rejected, preauth, fallbacks)
 
 
 def _le(bound: float) -> str:

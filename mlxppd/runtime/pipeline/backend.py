@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from mlxppd.core.errors import MlxppError, TemporaryError
+from mlxppd.core.errors import MlxppError, PermanentError, TemporaryError
 from mlxppd.core.kv_admission import AdmissionDiagnostic
 
 
@@ -63,6 +63,17 @@ class AdmissionClosed(BackendUnavailable):
         super().__init__(reason)
 
 
+class SequenceFailed(PermanentError):
+    """This one sequence could not be computed (a stage's forward or sampler failed on it).
+
+    The pipeline and every other request carry on; the client gets a 500 with the reason.
+    """
+
+
+class RequestRefused(PermanentError):
+    """A stage refused this request's parameters at admission (HTTP 400); nothing was run."""
+
+
 class GenerationBackend(Protocol):
     @property
     def model_id(self) -> str: ...
@@ -79,8 +90,9 @@ class GenerationBackend(Protocol):
     ) -> AsyncIterator[TokenEvent]:
         """Stream sampled tokens until max_tokens or EOS (EOS is yielded too).
 
-        Raises AdmissionRejected before the first token when a stage has no room, and
-        BackendUnavailable when the pipeline breaks. Closing the iterator early (client gone)
-        releases the sequence's KV cache on every stage.
+        Raises AdmissionRejected before the first token when a stage has no room,
+        RequestRefused when a stage refuses the parameters, SequenceFailed when a stage fails
+        on this sequence alone, and BackendUnavailable when the pipeline breaks. Closing the
+        iterator early (client gone) releases the sequence's KV cache on every stage.
         """
         ...

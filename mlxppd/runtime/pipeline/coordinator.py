@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import numpy as np
-from pydantic import ValidationError
 
 from mlxppd.core.config.cluster import ClusterConfig, Node
 from mlxppd.core.errors import TemporaryError
@@ -38,11 +37,13 @@ from mlxppd.core.protocol.control import (
     Release,
     StageReport,
     Status,
-    TraceDump,
-    TraceReply,
-    parse_trace_events,
 )
-from mlxppd.core.protocol.pipeline import BatchTokenMeta, GroupFailure, TokenMeta
+from mlxppd.core.protocol.pipeline import (
+    BatchTokenMeta,
+    GroupFailure,
+    SequenceFailure,
+    TokenMeta,
+)
 from mlxppd.core.strict import StrictModel
 from mlxppd.runtime.observability.metrics import PipelineMetrics
 from mlxppd.runtime.observability.trace import TraceBuffer, TraceFile
@@ -51,11 +52,14 @@ from mlxppd.runtime.pipeline.backend import (
     AdmissionRejected,
     BackendUnavailable,
     Health,
+    RequestRefused,
     SamplingParams,
+    SequenceFailed,
     TokenEvent,
 )
 from mlxppd.runtime.pipeline.control_client import BadReplyError, ControlClient
 from mlxppd.runtime.pipeline.micro_batcher import MicroBatcher
+from mlxppd.runtime.pipeline.stage_trace import stage_trace_events
 from mlxppd.wire.channel import SecureChannel
 from mlxppd.wire.codec import MessageKind
 from mlxppd.wire.errors import ChannelClosedError, FrameError
@@ -76,13 +80,6 @@ class _StageLink:
     control: ControlClient
     reader: asyncio.Task[None] | None = None
     alive: bool = True
-
-
-class _Broken:
-    """Put into a sequence's queue when the pipeline breaks under it."""
-
-    def __init__(self, reason: str):
-        self.reason = reason
 
 
 class LayerMoveError(TemporaryError):
@@ -120,7 +117,7 @@ class Coordinator:
         self._model_id = model_id
         self._connect_timeout_s = connect_timeout_s
         self._links: list[_StageLink] = []
-        self._queues: dict[str, asyncio.Queue[TokenEvent | _Broken]] = {}
+        self._queues: dict[str, asyncio.Queue[TokenEvent | Exception]] = {}
         self._seq = itertools.count()
         self._ready = False
         self._broken: str | None = None
@@ -239,24 +236,9 @@ class Coordinator:
         events = self.trace.take()
         for link in self._links:
             if link.alive:
-                with contextlib.suppress(BackendUnavailable):
-                    # One clock: the stage's offset from ours, estimated from a status round
-                    # trip (the stage read its clock about halfway through it).
-                    sent = time.time()
-                    status = await self._request(link, Status(), StageReport)
-                    offset_us = (status.now - (sent + time.time()) / 2) * 1e6
-                    events.extend(await self._stage_trace(link, offset_us))
+                with contextlib.suppress(BackendUnavailable), self._answering(link):
+                    events.extend(await stage_trace_events(link.control))
         return self._trace_file.flush(events)
-
-    async def _stage_trace(self, link: _StageLink, offset_us: float) -> list[dict[str, object]]:
-        """A stage's trace events, moved onto this node's clock."""
-        with self._answering(link):
-            _, payload = await link.control.ask_with_payload(TraceDump(), TraceReply)
-            try:
-                stage_events = parse_trace_events(payload)
-            except ValidationError as exc:
-                raise BadReplyError(f"malformed trace events: {exc.errors()[0]['msg']}") from None
-        return [{**e.model_dump(exclude_none=True), "ts": e.ts - offset_us} for e in stage_events]
 
     async def _connect(self, node: Node) -> SecureChannel:
         deadline = asyncio.get_running_loop().time() + self._connect_timeout_s
@@ -383,7 +365,7 @@ class Coordinator:
         self, seq: str, prompt: list[int], params: SamplingParams
     ) -> AsyncIterator[TokenEvent]:
         await self._admit(seq, prompt, params)
-        queue: asyncio.Queue[TokenEvent | _Broken] = asyncio.Queue()
+        queue: asyncio.Queue[TokenEvent | Exception] = asyncio.Queue()
         self._queues[seq] = queue
         try:
             step = 0
@@ -396,8 +378,8 @@ class Coordinator:
             for produced in range(params.max_tokens):
                 if pending is None:
                     got = await queue.get()
-                    if isinstance(got, _Broken):
-                        raise BackendUnavailable(got.reason)
+                    if isinstance(got, Exception):
+                        raise got
                     item = got
                 else:
                     item = await pending
@@ -444,6 +426,8 @@ class Coordinator:
                 self._rejected(seq, diagnostic)
                 if diagnostic.reason in (RejectReason.DRAINING, RejectReason.PLAN_MISMATCH):
                     raise AdmissionClosed(diagnostic.message())
+                if diagnostic.reason is RejectReason.INVALID_REQUEST:
+                    raise RequestRefused(diagnostic.message())
                 raise AdmissionRejected(diagnostic)
 
     def _rejected(self, seq: str, d: AdmissionDiagnostic) -> None:
@@ -522,9 +506,8 @@ class Coordinator:
                     batch = BatchTokenMeta.model_validate(dict(message.meta))
                     tokens = np.frombuffer(message.tensor.data, dtype=np.int32).tolist()
                     self._batcher.on_tokens(batch.group, batch.seqs, tokens, batch.logprobs)
-                elif message.kind is MessageKind.ERROR and self._batcher is not None:
-                    failure = GroupFailure.model_validate(dict(message.meta))
-                    self._batcher.fail_group(failure.group, failure.message)
+                elif message.kind is MessageKind.ERROR:
+                    self._failed(link, message.meta)
                 elif message.kind is MessageKind.TOKENS and message.tensor is not None:
                     meta = TokenMeta.model_validate(dict(message.meta))
                     token = int(np.frombuffer(message.tensor.data, dtype=np.int32)[0])
@@ -537,6 +520,20 @@ class Coordinator:
         except Exception as exc:
             self._fail(link, f"bad message from stage {link.node.id}: {exc}")
 
+    def _failed(self, link: _StageLink, meta: Any) -> None:
+        """A stage could not compute some sequences: their requests fail, nothing else."""
+        if "group" in meta:
+            group = GroupFailure.model_validate(dict(meta))
+            if self._batcher is not None:
+                self._batcher.fail_group(group.group, f"stage {link.node.id}: {group.message}")
+            return
+        failure = SequenceFailure.model_validate(dict(meta))
+        queue = self._queues.get(failure.seq)
+        if queue is not None:
+            queue.put_nowait(
+                SequenceFailed(f"stage {failure.stage} failed on this request: {failure.message}")
+            )
+
     def _fail(self, link: _StageLink, reason: str) -> None:
         if not link.alive:
             return
@@ -545,7 +542,7 @@ class Coordinator:
             self._broken = reason
             log.error("coordinator: %s; failing %d open requests", reason, len(self._queues))
         for queue in self._queues.values():
-            queue.put_nowait(_Broken(reason))
+            queue.put_nowait(BackendUnavailable(reason))
         if self._batcher is not None:
             self._batcher.fail(reason)
         for each in self._links:

@@ -32,7 +32,9 @@ from mlxppd.runtime.pipeline.backend import (
     AdmissionRejected,
     BackendUnavailable,
     Health,
+    RequestRefused,
     SamplingParams,
+    SequenceFailed,
     TokenEvent,
 )
 from mlxppd.runtime.system.mlx_thread import MlxThread
@@ -118,12 +120,18 @@ class InProcessBackend:
         if problem is not None:
             raise AdmissionRejected(problem)
         try:
-            sampler = make_sampler(params.temperature, params.top_p, params.seed)
+            try:
+                sampler = make_sampler(params.temperature, params.top_p, params.seed)
+            except Exception as exc:
+                raise RequestRefused(f"the sampler refused these parameters: {exc}") from None
             steps = pipeline.generate(
                 prompt, params.max_tokens, sampler, with_logprobs=params.logprobs
             )
             while True:
-                step = await self._mlx.run(lambda: next(steps, None))
+                try:
+                    step = await self._mlx.run(lambda: next(steps, None))
+                except Exception as exc:  # this request's forward or sampler: it alone fails
+                    raise SequenceFailed(f"the model failed on this request: {exc}") from exc
                 if step is None:
                     return
                 yield TokenEvent(token=step.token, logprob=step.logprob)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mlxppd.core.protocol.pipeline import regroup
-from mlxppd.runtime.pipeline.backend import BackendUnavailable, TokenEvent
+from mlxppd.runtime.pipeline.backend import BackendUnavailable, SequenceFailed, TokenEvent
 
 SendGroup = Callable[[str, list[str], int, np.ndarray, bool], Awaitable[None]]
 
@@ -107,7 +107,7 @@ class MicroBatcher:
             self._group_of.pop(seq, None)
         for future in group.waiting.values():
             if not future.done():
-                future.set_exception(BackendUnavailable(f"micro-batch failed: {reason}"))
+                future.set_exception(SequenceFailed(f"micro-batch failed: {reason}"))
 
     def fail(self, reason: str) -> None:
         self._broken = reason

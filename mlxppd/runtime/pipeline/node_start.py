@@ -25,6 +25,7 @@ from mlxppd.runtime.pipeline.coordinator import Coordinator
 from mlxppd.runtime.pipeline.stage_loader import layer_preparer, load_stage_runner, stage_kv_manager
 from mlxppd.runtime.pipeline.stage_worker import StageWorker
 from mlxppd.runtime.system.mlx_thread import MlxThread
+from mlxppd.runtime.system.open_files import raise_open_file_limit
 from mlxppd.wire.backends import create_transport, wire_config_for
 from mlxppd.wire.secret import ClusterSecret
 
@@ -57,6 +58,7 @@ async def start_stage_worker(
     extras: Callable[[], StageExtras] | None = None,
 ) -> tuple[StageWorker, tuple[str, int]]:
     """Load the stage's layers, listen on its address; returns the worker and where it listens."""
+    raise_open_file_limit()  # a stage port must not run out of descriptors before the hard limit
     spec = setup.spec
     runner, per_token = await load_stage_runner(
         mlx, setup.model_dir, spec, setup.model_config, weights=setup.cpu_weights

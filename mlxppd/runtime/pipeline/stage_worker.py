@@ -27,6 +27,7 @@ from mlxppd.core.kv_admission import (
     RejectReason,
     StageKvManager,
 )
+from mlxppd.core.log_text import escape
 from mlxppd.core.protocol.control import (
     Ack,
     Admission,
@@ -53,18 +54,29 @@ from mlxppd.core.protocol.pipeline import (
     BatchTokenMeta,
     ForwardMeta,
     GroupFailure,
+    SequenceFailure,
     TokenMeta,
 )
 from mlxppd.core.stage_accounting import ActivityClock, LatencyHistogram
 from mlxppd.core.stages import StageSpec
 from mlxppd.core.strict import StrictModel
 from mlxppd.engine.blas import blas_in_use
+from mlxppd.engine.sampling import make_sampler
 from mlxppd.engine.stage_runner import StageRunner
 from mlxppd.engine.wire_tensors import from_wire, to_wire
 from mlxppd.runtime.observability.trace import TraceBuffer, now_us
+from mlxppd.runtime.pipeline.stage_work import (
+    ForwardWork,
+    GroupWork,
+    Output,
+    ReleaseAllWork,
+    ReleaseWork,
+    SwapWork,
+    Work,
+)
 from mlxppd.runtime.system.mlx_thread import MlxThread
 from mlxppd.wire.channel import SecureChannel
-from mlxppd.wire.codec import Message, MessageKind, Tensor
+from mlxppd.wire.codec import Message, MessageKind
 from mlxppd.wire.errors import ChannelClosedError, FrameError
 from mlxppd.wire.tasks import TaskSet, spawn, stop_tasks
 from mlxppd.wire.transport import Listener, Transport
@@ -79,45 +91,6 @@ PrepareLayers = Callable[
 ExtrasSource = Callable[[], StageExtras]
 
 
-# -- the compute loop's work, in arrival order ------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class _Forward:
-    meta: ForwardMeta
-    tensor: Tensor | None
-
-
-@dataclass(frozen=True, slots=True)
-class _ForwardGroup:
-    meta: BatchForwardMeta
-    tensor: Tensor | None
-
-
-@dataclass(frozen=True, slots=True)
-class _Release:
-    seq: str
-
-
-@dataclass(frozen=True, slots=True)
-class _ReleaseAll:
-    """The coordinator is gone: nobody will release its sequences."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Swap:
-    spec: StageSpec
-    runner: StageRunner
-    kv: StageKvManager
-    done: asyncio.Future[None]
-
-
-_Work = _Forward | _ForwardGroup | _Release | _ReleaseAll | _Swap
-_OutMeta = ForwardMeta | BatchForwardMeta | TokenMeta | BatchTokenMeta | GroupFailure
-#: a result for the sender task: kind, metadata, tensor
-_Output = tuple[MessageKind, _OutMeta, Any]
-
-
 class ProtocolViolation(Exception):
     """A message that authenticated fine but makes no sense here."""
 
@@ -130,6 +103,8 @@ class StageStats:
     protocol_errors: int = 0
     batched_passes: int = 0
     batched_rows: int = 0
+    #: sequences whose forward or sampler failed here (each failed its request alone)
+    sequence_failures: int = 0
 
 
 class StageWorker:
@@ -153,8 +128,8 @@ class StageWorker:
         self.clock = ActivityClock(started=time.monotonic())
         self.latency = LatencyHistogram()
         self.trace = TraceBuffer(pid=f"stage-{spec.index}", enabled=False)
-        self._work: asyncio.Queue[_Work] = asyncio.Queue()
-        self._out: asyncio.Queue[_Output] = asyncio.Queue()
+        self._work: asyncio.Queue[Work] = asyncio.Queue()
+        self._out: asyncio.Queue[Output] = asyncio.Queue()
         self._downstream: SecureChannel | None = None
         self._coordinator: SecureChannel | None = None
         self._loops: list[asyncio.Task[None]] = []
@@ -167,6 +142,8 @@ class StageWorker:
         self._staged: tuple[StageSpec, StageRunner, StageKvManager] | None = None
         self._side_tasks = TaskSet()
         self.elastic_state = "idle"
+        # Sequences that failed here: their queued inputs are skipped until released.
+        self._failed: set[str] = set()
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
         self._loops = [
@@ -197,7 +174,7 @@ class StageWorker:
         """Serve new layers from now on. Queued after any earlier work, so nothing in flight
         runs half on the old layers and half on the new."""
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        await self._work.put(_Swap(spec, runner, kv, done))
+        await self._work.put(SwapWork(spec, runner, kv, done))
         await done
 
     async def rebind(self, transport: Transport, host: str, port: int) -> tuple[str, int]:
@@ -246,18 +223,18 @@ class StageWorker:
             if channel is self._coordinator:
                 # The coordinator is gone: nobody will release its sequences.
                 self._coordinator = None
-                await self._work.put(_ReleaseAll())
+                await self._work.put(ReleaseAllWork())
 
     async def _dispatch(self, channel: SecureChannel, message: Message) -> None:
         if message.kind is MessageKind.ACTIVATION:
             if "group" in message.meta:
                 batch = BatchForwardMeta.model_validate(dict(message.meta))
                 self._arrived(batch.sent_at, message)
-                await self._work.put(_ForwardGroup(batch, message.tensor))
+                await self._work.put(GroupWork(batch, message.tensor))
             else:
                 meta = ForwardMeta.model_validate(dict(message.meta))
                 self._arrived(meta.sent_at, message)
-                await self._work.put(_Forward(meta, message.tensor))
+                await self._work.put(ForwardWork(meta, message.tensor))
             return
         if message.kind is not MessageKind.CONTROL:
             raise ProtocolViolation(f"a stage does not accept {message.kind.name} messages")
@@ -268,7 +245,7 @@ class StageWorker:
         elif isinstance(command, Admit):
             await _reply(channel, self._admit(command))
         elif isinstance(command, Release):
-            await self._work.put(_Release(command.seq))
+            await self._work.put(ReleaseWork(command.seq))
         elif isinstance(command, Status):
             await _reply(channel, self.status(command.rid))
         elif isinstance(command, Admission):
@@ -307,14 +284,14 @@ class StageWorker:
 
     def _admit(self, command: Admit) -> AdmitReply:
         request = AdmissionRequest(command.seq, command.prompt_tokens, command.max_tokens)
-        problem = self._closed_reason(command) or self.kv.dry_run(request)
+        problem = (
+            self._closed_reason(command)
+            or self.kv.dry_run(request)
+            or self._sampling_refused(command)
+        )
         if problem is None and command.commit:
             self.kv.commit(request)
             self.clock.set_active(len(self.kv.reserved), time.monotonic())
-            if self.spec.has_lm_head:
-                self.runner.set_sampling(
-                    command.seq, command.temperature, command.top_p, command.seed
-                )
         if problem is None:
             return AdmitReply(rid=command.rid, ok=True)
         return AdmitReply(rid=command.rid, ok=False, diagnostic=AdmitRefusal.of(problem))
@@ -360,23 +337,25 @@ class StageWorker:
         return load
 
     def _closed_reason(self, command: Admit) -> AdmissionDiagnostic | None:
-        reason = None
         if not self.admitting:
-            reason = RejectReason.DRAINING
-        elif command.plan is not None:
-            mine = (self.spec.start, self.spec.end)
-            if len(command.plan) != self.spec.num_stages or command.plan[self.spec.index] != mine:
-                reason = RejectReason.PLAN_MISMATCH
-        if reason is None:
+            return self.kv.refusal(RejectReason.DRAINING)
+        if command.plan is not None and not self.spec.matches(command.plan):
+            return self.kv.refusal(RejectReason.PLAN_MISMATCH)
+        return None
+
+    def _sampling_refused(self, command: Admit) -> AdmissionDiagnostic | None:
+        """The last stage makes the sequence's sampler here (dry run included), so parameters
+        it cannot serve refuse this one request instead of failing later on the mlx thread."""
+        if not self.spec.has_lm_head:
             return None
-        return AdmissionDiagnostic(
-            stage_index=self.spec.index,
-            reason=reason,
-            required_bytes=0,
-            used_memory_bytes=self.kv.used_bytes,
-            budget_bytes=self.kv.budget_bytes,
-            active_sequences=len(self.kv.reserved),
-        )
+        try:
+            sampler = make_sampler(command.temperature, command.top_p, command.seed)
+        except Exception as exc:
+            log.warning("stage %d: refusing %s: %s", self.spec.index, escape(command.seq), exc)
+            return self.kv.refusal(RejectReason.INVALID_REQUEST)
+        if command.commit:
+            self.runner.set_sampler(command.seq, sampler)
+        return None
 
     def status(self, rid: int = 0) -> StageReport:
         """This stage's report (the reply to a status command), with the agent's extras."""
@@ -417,20 +396,22 @@ class StageWorker:
     async def _compute_loop(self) -> None:
         while True:
             item = await self._work.get()
-            if isinstance(item, _Forward):
+            if isinstance(item, ForwardWork):
                 await self._forward(item.meta, item.tensor)
-            elif isinstance(item, _ForwardGroup):
+            elif isinstance(item, GroupWork):
                 await self._forward_group(item.meta, item.tensor)
-            elif isinstance(item, _Release):
+            elif isinstance(item, ReleaseWork):
+                self._failed.discard(item.seq)
                 self.kv.release(item.seq)
                 self.clock.set_active(len(self.kv.reserved), time.monotonic())
                 await self.mlx.run(functools.partial(self.runner.release, item.seq))
-            elif isinstance(item, _ReleaseAll):
+            elif isinstance(item, ReleaseAllWork):
+                self._failed.clear()
                 for held in list(self.kv.reserved):
                     self.kv.release(held)
                 self.clock.set_active(0, time.monotonic())
                 await self.mlx.run(self.runner.release_all)
-            elif isinstance(item, _Swap):
+            elif isinstance(item, SwapWork):
                 self.spec, self.runner, self.kv = item.spec, item.runner, item.kv
                 self.clock.set_active(len(item.kv.reserved), time.monotonic())
                 item.done.set_result(None)
@@ -443,6 +424,8 @@ class StageWorker:
         self.trace.span("stage", self.spec.index, start_us, now_us(), rows=rows)
 
     async def _forward(self, meta: ForwardMeta, tensor: Any) -> None:
+        if meta.seq in self._failed:
+            return  # the rest of a failed sequence's prefill: its request has been told
         started = time.monotonic()
         sample = meta.sample and self.spec.has_lm_head
 
@@ -453,7 +436,13 @@ class StageWorker:
             return to_wire(self.runner.forward(meta.seq, x))
 
         start_us = now_us()
-        result = await self.mlx.run(run)
+        try:
+            result = await self.mlx.run(run)
+        except Exception as exc:
+            # This input cannot run here (a bad tensor, a family's forward or the sampler
+            # raising): only its sequence fails; the link and every other sequence carry on.
+            await self._sequence_failed(meta.seq, exc)
+            return
         self._computed(started, start_us, rows=1)
         if self.spec.has_lm_head:
             if sample:
@@ -462,6 +451,14 @@ class StageWorker:
                 await self._out.put((MessageKind.TOKENS, out, token))
             return
         await self._out.put((MessageKind.ACTIVATION, meta, result))
+
+    async def _sequence_failed(self, seq: str, exc: Exception) -> None:
+        self.stats.sequence_failures += 1
+        log.error("stage %d: sequence %s failed: %s", self.spec.index, escape(seq), exc)
+        self._failed.add(seq)
+        await self.mlx.run(functools.partial(self.runner.release, seq))
+        failure = SequenceFailure(seq=seq, stage=self.spec.index, message=clip(str(exc), 1000))
+        await self._out.put((MessageKind.ERROR, failure, None))
 
     async def _forward_group(self, meta: BatchForwardMeta, tensor: Any) -> None:
         started = time.monotonic()

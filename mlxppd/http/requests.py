@@ -1,0 +1,210 @@
+"""The bodies of /v1/chat/completions and /v1/completions as pydantic models.
+
+Every field is typed strictly (``"8"`` is not an integer, ``1`` is not a boolean) and bounded,
+so nothing a client sends reaches tokenizing, admission or a stage unchecked. Fields that
+OpenAI defines and this server does not implement are accepted at their neutral value and
+refused otherwise (``unsupported``), never silently ignored; fields OpenAI does not define
+are ignored, as OpenAI's SDKs add new ones often. ``validation.py`` turns these models'
+errors into OpenAI-shaped 400s naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
+
+from mlxppd.core.protocol.control import MAX_SEED, MAX_SEQUENCE_TOKENS
+
+#: most messages in one chat request (a long agent transcript has a few hundred)
+MAX_MESSAGES = 2048
+#: most content parts in one message
+MAX_CONTENT_PARTS = 256
+MAX_STOP_STRINGS = 4
+#: longest stop string, in characters
+MAX_STOP_CHARS = 512
+#: longest identifier-like string (model, user, a message's name), in characters
+MAX_NAME_CHARS = 256
+MAX_TOP_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def unsupported(what: str) -> PydanticCustomError:
+    return PydanticCustomError(
+        "unsupported", "{what} is not supported by this server", {"what": what}
+    )
+
+
+def _stop_list(value: Any) -> Any:
+    """``stop`` as a tuple of strings; OpenAI ignores empty stop strings, so do we."""
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise PydanticCustomError("invalid_type", "must be a string or a list of strings")
+    if len(items) > MAX_STOP_STRINGS:
+        raise PydanticCustomError(
+            "invalid_value",
+            "takes at most {most} strings, got {got}",
+            {"most": MAX_STOP_STRINGS, "got": len(items)},
+        )
+    if any(len(s) > MAX_STOP_CHARS for s in items):
+        raise PydanticCustomError(
+            "invalid_value", "a stop string is at most {most} characters", {"most": MAX_STOP_CHARS}
+        )
+    return tuple(s for s in items if s)
+
+
+def _content_text(value: Any) -> Any:
+    """A message's content as one string: a string, or a list of text parts joined."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise PydanticCustomError("invalid_type", "must be a string or a list of text parts")
+    if len(value) > MAX_CONTENT_PARTS:
+        raise PydanticCustomError(
+            "invalid_value", "takes at most {most} parts", {"most": MAX_CONTENT_PARTS}
+        )
+    texts = []
+    for part in value:
+        if not isinstance(part, dict) or part.get("type") != "text":
+            raise unsupported("content other than text parts")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise PydanticCustomError("invalid_type", "a text part needs a string 'text'")
+        texts.append(text)
+    return "".join(texts)
+
+
+def _prompt(value: Any) -> Any:
+    """A string, or one list of token ids; a batch of exactly one prompt is that prompt."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
+        value = value[0]
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(_token_id(t) for t in value):
+        return value
+    raise PydanticCustomError(
+        "invalid_value",
+        "must be a string or one non-empty list of token ids (batches are not supported)",
+    )
+
+
+def _token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 32
+
+
+StopStrings = Annotated[
+    tuple[str, ...],
+    BeforeValidator(_stop_list, json_schema_input_type=str | list[str] | None),
+]
+Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
+
+
+class ApiModel(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False, frozen=True)
+
+
+class StreamOptions(ApiModel):
+    include_usage: bool = Field(False, description="send a last chunk with the token counts")
+
+
+class ChatMessage(ApiModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Annotated[
+        str,
+        BeforeValidator(_content_text, json_schema_input_type=str | list[dict[str, Any]]),
+    ] = Field(description="text, or a list of {type: text, text} parts")
+    name: Name | None = None
+
+
+class _Common(ApiModel):
+    """The fields both endpoints share."""
+
+    model: Name | None = None
+    max_tokens: int | None = Field(None, ge=1, le=MAX_SEQUENCE_TOKENS)
+    temperature: float = Field(1.0, ge=0, le=2, description="0: greedy")
+    top_p: float = Field(1.0, gt=0, le=1)
+    n: int = Field(1, ge=1, le=1, description="choices per request; this server returns one")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    stop: StopStrings = ()
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: Name | None = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = Field(None, max_length=1024)
+    tools: list[dict[str, Any]] | None = Field(None, max_length=128)
+    functions: list[dict[str, Any]] | None = Field(None, max_length=128)
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, value: float) -> float:
+        if value != 0:
+            raise unsupported("a penalty other than 0")
+        return value
+
+    @field_validator("logit_bias", "tools", "functions")
+    @classmethod
+    def _empty_only(cls, value: Any) -> Any:
+        if value:
+            raise unsupported("this field")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and value.get("type") != "text":
+            raise unsupported("a response format other than text")
+        return value
+
+
+class ChatCompletionRequest(_Common):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_SEQUENCE_TOKENS)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _bounded(cls, value: Any) -> Any:
+        # Checked before the items: 100,000 tiny messages must not cost 100,000 validations.
+        if isinstance(value, list) and len(value) > MAX_MESSAGES:
+            raise PydanticCustomError(
+                "invalid_value",
+                "takes at most {most} messages, got {got}",
+                {"most": MAX_MESSAGES, "got": len(value)},
+            )
+        return value
+
+
+class CompletionRequest(_Common):
+    """POST /v1/completions."""
+
+    prompt: Annotated[
+        str | list[int],
+        BeforeValidator(_prompt, json_schema_input_type=str | list[int] | list[str]),
+    ]
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    best_of: int = Field(1, ge=1, le=1)
+    echo: bool = False
+    suffix: str | None = Field(None, max_length=MAX_NAME_CHARS)
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool) -> bool:
+        if value:
+            raise unsupported("'echo'")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise unsupported("'suffix'")
+        return value

@@ -1,0 +1,263 @@
+"""A live two-stage cluster (with an api key) against hostile HTTP clients.
+
+Every attack is answered with a 4xx or shrugged off, and afterwards the same benign request
+returns the same greedy text and /health is 200: no attack closes a stage link or stalls the
+coordinator. How long the event loop stalls under each attack is measured by
+``bench/attacks.py`` (timing goals live in bench/, not in tests).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mlxppd.http.requests import ChatCompletionRequest, ChatMessage, CompletionRequest
+from tests.adversarial.bad_requests import one_bad_field, one_bad_message
+from tests.cluster_support import RunningCluster, start_cluster, wait_gone
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+KEY = "adversarial-suite-key-7f3a9c"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+BENIGN = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+MESSAGE = {"role": "user", "content": "What is the capital of France?"}
+MIB = 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    tmp_path_factory: pytest.TempPathFactory, embedded_model_dir: Path, model_cache: Path
+) -> Iterator[RunningCluster]:
+    env = {**os.environ, "MLXPP_MODEL_CACHE": str(model_cache), "HF_HUB_OFFLINE": "1"}
+    tmp = tmp_path_factory.mktemp("attacked")
+    running = start_cluster(
+        tmp, env, "--pp-size", "2", "--api-key", KEY, "--metrics", "--metrics-port", "0",
+        "--metrics-ready-file", str(tmp / "metrics.ready"),
+    )  # fmt: skip
+    yield running
+    assert running.stop() == 0, running.log()
+    assert wait_gone(running.stage_pids) == [], "stage processes left behind"
+
+
+@pytest.fixture(scope="module")
+def metrics_url(cluster: RunningCluster) -> str:
+    """The --metrics-port listener's base URL, from its ready file."""
+    ready = cluster.log_path.parent / "metrics.ready"
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        assert time.monotonic() < deadline, "the metrics listener never started"
+        time.sleep(0.1)
+    return ready.read_text().strip()
+
+
+@pytest.fixture(scope="module")
+def client(cluster: RunningCluster) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=cluster.url, headers=AUTH, timeout=120) as http:
+        yield http
+
+
+def benign(client: httpx.Client) -> str:
+    response = client.post("/v1/completions", json=BENIGN)
+    assert response.status_code == 200, response.text
+    return str(response.json()["choices"][0]["text"])
+
+
+@pytest.fixture(scope="module")
+def before(client: httpx.Client) -> str:
+    """The benign request's greedy text before any attack."""
+    return benign(client)
+
+
+@pytest.fixture(autouse=True)
+def still_serving(client: httpx.Client, cluster: RunningCluster, before: str) -> Iterator[None]:
+    yield
+    assert benign(client) == before, "the attack changed what the cluster answers"
+    assert httpx.get(f"{cluster.url}/health", timeout=30).status_code == 200
+    assert "Traceback" not in cluster.log(), cluster.log()[-4000:]
+
+
+def refused(response: httpx.Response) -> dict[str, Any]:
+    """A 4xx with an OpenAI-shaped error body; the error object."""
+    assert 400 <= response.status_code < 500, (response.status_code, response.text[:500])
+    error = response.json()["error"]
+    assert error["message"]
+    return dict(error)
+
+
+# -- every malformed or out-of-range field, from the request models themselves -------------------
+
+FUZZ = settings(
+    max_examples=150,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+COMPLETIONS = one_bad_field(CompletionRequest, BENIGN)
+CHATS = st.one_of(
+    one_bad_field(ChatCompletionRequest, {"messages": [MESSAGE], "max_tokens": 8}),
+    one_bad_message(ChatMessage, {"max_tokens": 8, "temperature": 0}, MESSAGE),
+)
+
+
+def _post_raw(client: httpx.Client, path: str, body: dict[str, Any]) -> httpx.Response:
+    # json.dumps, not httpx's encoder: NaN and huge integers go out as a careless client sends them.
+    raw = json.dumps(body).encode()
+    return client.post(path, content=raw, headers={"Content-Type": "application/json"})
+
+
+@FUZZ
+@given(body=COMPLETIONS)
+def test_every_bad_completions_field_is_a_4xx(client: httpx.Client, body: dict[str, Any]) -> None:
+    refused(_post_raw(client, "/v1/completions", body))
+
+
+@FUZZ
+@given(body=CHATS)
+def test_every_bad_chat_field_is_a_4xx(client: httpx.Client, body: dict[str, Any]) -> None:
+    refused(_post_raw(client, "/v1/chat/completions", body))
+
+
+def test_the_seed_that_took_the_pipeline_down_is_a_400(client: httpx.Client) -> None:
+    """``seed: -1`` with a temperature once reached the last stage and closed its link."""
+    body = {"prompt": "hi", "seed": -1, "temperature": 0.7, "max_tokens": 4}
+    assert refused(client.post("/v1/completions", json=body))["param"] == "seed"
+    body = {**body, "seed": 2**64 - 1}  # the largest seed is served
+    assert client.post("/v1/completions", json=body).status_code == 200
+
+
+def test_a_prompt_or_max_tokens_past_the_context_is_a_400(client: httpx.Client) -> None:
+    error = refused(client.post("/v1/completions", json={**BENIGN, "max_tokens": 2**24}))
+    assert error["code"] == "context_length_exceeded"
+    error = refused(client.post("/v1/completions", json={**BENIGN, "prompt": "word " * 20000}))
+    assert error["code"] == "context_length_exceeded"
+
+
+# -- bodies built to cost the server time or memory ----------------------------------------------
+
+
+class Probe:
+    """Asks /health over and over on its own connections while an attack runs."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.answers: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.answers.append(httpx.get(f"{self.url}/health", timeout=60).status_code)
+
+    def __enter__(self) -> Probe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        assert self.answers and set(self.answers) == {200}, self.answers
+
+
+def test_huge_stop_strings_tiny_messages_deep_nesting_and_bad_header_bytes_are_4xx(
+    client: httpx.Client, cluster: RunningCluster
+) -> None:
+    with Probe(cluster.url):
+        stops = ["x" * MIB] * 4
+        refused(client.post("/v1/completions", json={**BENIGN, "stop": stops}))
+        just_under = ["x" * (MIB // 2)]
+        assert (
+            refused(client.post("/v1/completions", json={**BENIGN, "stop": just_under}))["param"]
+            == "stop"
+        )
+        tiny = b'{"role":"user","content":"a"},'
+        count = (4 * MIB - 64) // len(tiny)
+        body = b'{"messages":[' + tiny * (count - 1) + tiny[:-1] + b'],"max_tokens":4}'
+        error = refused(client.post("/v1/chat/completions", content=body))
+        assert error["param"] == "messages"
+        deep = b'{"prompt":' + b"[" * 200_000 + b"]" * 200_000 + b"}"
+        assert refused(client.post("/v1/completions", content=deep))["code"] == "invalid_json"
+    status, answer = raw_request(
+        cluster.url,
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\xfd\r\n"
+        b"Content-Length: 2\r\nConnection: close\r\n\r\n{}",
+    )
+    assert status == 400, answer
+    assert b"invalid_header" in answer
+
+
+def raw_request(url: str, data: bytes) -> tuple[int, bytes]:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(data)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return int(answer.split(b" ", 2)[1]), answer
+
+
+def test_slowloris_does_not_starve_a_normal_client(cluster: RunningCluster) -> None:
+    """200 connections each sending one header byte a second; a normal client gets answered
+    (a 5 s timeout stands for "not starved"), and the server cuts the dawdlers off."""
+    host, port = cluster.url.removeprefix("http://").rsplit(":", 1)
+    head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Padding: " + b"a" * 200
+    slow = [socket.create_connection((host, int(port)), timeout=10) for _ in range(200)]
+    try:
+        cut = 0
+        for i in range(len(head)):
+            for sock in list(slow):
+                try:
+                    sock.sendall(head[i : i + 1])
+                except OSError:
+                    slow.remove(sock)
+                    sock.close()
+                    cut += 1
+            assert httpx.get(f"{cluster.url}/health", timeout=5).status_code == 200
+            if not slow:
+                break
+            time.sleep(1.0)
+        assert not slow, "the server kept connections whose head never ended"
+        assert cut == 200
+    finally:
+        for sock in slow:
+            sock.close()
+
+
+# -- what an unauthenticated caller learns, and what reaches the log ---------------------------
+
+
+def test_without_the_key_health_says_one_word_and_metrics_are_closed(
+    cluster: RunningCluster, client: httpx.Client, metrics_url: str
+) -> None:
+    public = httpx.get(f"{cluster.url}/health", timeout=30)
+    assert public.status_code == 200 and public.json() == {"status": "ok"}
+    detailed = client.get("/health").json()
+    assert detailed["status"] == "ok" and len(detailed["stages"]) == 2
+    assert httpx.get(f"{cluster.url}/metrics", timeout=30).status_code == 401
+    assert client.get("/metrics").status_code == 200
+    # The --metrics-port listener is the scraper's: no key there.
+    scraper = httpx.get(f"{metrics_url}/metrics", timeout=30)
+    assert scraper.status_code == 200 and "mlxpp_" in scraper.text
+
+
+def test_a_forged_newline_in_the_path_is_logged_escaped(
+    cluster: RunningCluster, client: httpx.Client
+) -> None:
+    assert client.get("/v1/models%0AFORGED-LOG-LINE").status_code == 404
+    deadline = time.monotonic() + 60
+    while "FORGED-LOG-LINE" not in cluster.log():
+        assert time.monotonic() < deadline, "the request was never logged"
+        time.sleep(0.1)
+    log = cluster.log()
+    assert "/v1/models\\nFORGED-LOG-LINE" in log
+    assert not any(line.startswith("FORGED-LOG-LINE") for line in log.splitlines())
