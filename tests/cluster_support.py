@@ -75,3 +75,11 @@ def wait_gone(pids: list[int], timeout: float = 120.0) -> list[int]:
 
 def kill(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
+
+
+def stage_port_and_pid(cluster: RunningCluster, stage: int) -> tuple[int, int]:
+    """Where stage ``stage`` listens, and its process, from the cluster's log."""
+    log = cluster.log()
+    ports = dict(re.findall(r"stage (\d+) \(\S+\) serving layers \d+-\d+ on [^\s]+:(\d+)", log))
+    pids = dict(re.findall(r"starting stage (\d+)/\d+ \(pid (\d+)\)", log))
+    return int(ports[str(stage)]), int(pids[str(stage)])

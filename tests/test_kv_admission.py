@@ -37,10 +37,21 @@ def test_the_smallest_stage_rejects_and_nothing_is_committed_anywhere() -> None:
         400,
         400,
     )
-    assert "stage 1 has 400 of 400 KV bytes free" in problem.message()
+    # More than the stage's whole budget: waiting cannot help, and the message says so.
+    assert problem.never_fits
+    assert "needs 500 KV bytes on stage 1, more than its whole budget of 400" in problem.message()
     assert all(s.used_bytes == 0 for s in stages)
     # and a short request still gets in
     assert coordinated_admission(stages, AdmissionRequest("short", 10, 10)) is None
+
+
+def test_a_request_that_fits_an_empty_budget_is_told_to_retry() -> None:
+    stages = _stages(1000)
+    assert coordinated_admission(stages, AdmissionRequest("first", 60, 20)) is None  # 800 B
+    problem = coordinated_admission(stages, AdmissionRequest("later", 40, 10))  # 500 B
+    assert problem is not None and not problem.never_fits
+    assert "stage 0 has 200 of 1000 KV bytes free" in problem.message()
+    assert "retry when other requests finish" in problem.message()
 
 
 def test_sequence_cap_and_duplicate_ids_are_their_own_reasons() -> None:

@@ -143,9 +143,11 @@ def test_a_small_kv_budget_rejects_a_long_prompt_with_a_diagnostic(
     running = start_cluster(tmp_path, cli_env, "--pp-size", "2", "--kv-budget-bytes", "2500000")
     try:
         long = chat(running.url, "Summarise this: " + "the quick brown fox " * 150)
-        assert long.status_code == 503, long.text
-        assert "Retry-After" in long.headers
+        # More than a stage's whole budget: a 400 without Retry-After (retrying cannot help).
+        assert long.status_code == 400, long.text
+        assert "Retry-After" not in long.headers
         error = long.json()["error"]
+        assert error["code"] == "context_length_exceeded"
         assert error["reason"] == "memory"
         assert error["stage"] in (0, 1)
         assert error["required_bytes"] > error["budget_bytes"] == 2500000

@@ -23,8 +23,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mlxppd.http.requests import ChatCompletionRequest, ChatMessage, CompletionRequest
+from mlxppd.wire.handshake import NONCE_BYTES, HandshakeType, pack_envelope
 from tests.adversarial.bad_requests import one_bad_field, one_bad_message
-from tests.cluster_support import RunningCluster, start_cluster, wait_gone
+from tests.cluster_support import RunningCluster, stage_port_and_pid, start_cluster, wait_gone
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -261,3 +262,26 @@ def test_a_forged_newline_in_the_path_is_logged_escaped(
     log = cluster.log()
     assert "/v1/models\\nFORGED-LOG-LINE" in log
     assert not any(line.startswith("FORGED-LOG-LINE") for line in log.splitlines())
+
+
+def test_a_forged_newline_in_a_handshakes_cluster_name_is_logged_escaped(
+    cluster: RunningCluster,
+) -> None:
+    """A client hello whose cluster name carries a newline: refused as bad_hello, and the
+    stage's log line shows the name escaped (built by hand: the encoder refuses such a name)."""
+    port, _ = stage_port_and_pid(cluster, 0)
+    name, node = b"evil\nFORGED-HELLO-LINE", b"stage-9"
+    body = os.urandom(NONCE_BYTES) + b"\x00\x00" + bytes([len(name)]) + name
+    body += bytes([len(node)]) + node
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(pack_envelope(HandshakeType.CLIENT_HELLO, body))
+        sock.settimeout(30)
+        while sock.recv(4096):  # the stage closes the connection
+            pass
+    deadline = time.monotonic() + 60
+    while "FORGED-HELLO-LINE" not in cluster.log():
+        assert time.monotonic() < deadline, "the refused hello was never logged"
+        time.sleep(0.1)
+    log = cluster.log()
+    assert "evil\\nFORGED-HELLO-LINE" in log
+    assert not any(line.startswith("FORGED-HELLO-LINE") for line in log.splitlines())

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.cluster_support import RunningCluster, start_cluster, wait_gone
+from tests.cluster_support import RunningCluster, stage_port_and_pid, start_cluster, wait_gone
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -42,14 +42,6 @@ def cluster(
     finally:
         assert running.stop() == 0, running.log()
         assert wait_gone(running.stage_pids) == [], "stage processes left behind"
-
-
-def stage_port_and_pid(cluster: RunningCluster, stage: int) -> tuple[int, int]:
-    """Where stage ``stage`` listens, and its process, from the cluster's log."""
-    log = cluster.log()
-    ports = dict(re.findall(r"stage (\d+) \(\S+\) serving layers \d+-\d+ on [^\s]+:(\d+)", log))
-    pids = dict(re.findall(r"starting stage (\d+)/\d+ \(pid (\d+)\)", log))
-    return int(ports[str(stage)]), int(pids[str(stage)])
 
 
 def status_bytes(pid: int, field: str) -> int:
