@@ -83,3 +83,36 @@ def stage_port_and_pid(cluster: RunningCluster, stage: int) -> tuple[int, int]:
     ports = dict(re.findall(r"stage (\d+) \(\S+\) serving layers \d+-\d+ on [^\s]+:(\d+)", log))
     pids = dict(re.findall(r"starting stage (\d+)/\d+ \(pid (\d+)\)", log))
     return int(ports[str(stage)]), int(pids[str(stage)])
+
+
+def restarted_stage_pids(cluster: RunningCluster, stage: int) -> list[int]:
+    """The processes the local cluster started again for stage ``stage``, oldest first."""
+    found = re.findall(r"restarted stage (\d+)/\d+ \(pid (\d+)\)", cluster.log())
+    return [int(pid) for s, pid in found if int(s) == stage]
+
+
+def listens_on(pid: int, port: int) -> bool:
+    """True when process ``pid`` holds a TCP socket listening on ``port`` (Linux /proc)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except FileNotFoundError:
+            continue
+        for row in rows:
+            fields = row.split()
+            # local_address is HEXIP:HEXPORT; state 0A is LISTEN; field 9 is the inode.
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":
+                inodes.add(fields[9])
+    try:
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except (FileNotFoundError, PermissionError):
+        return False
+    for fd in fds:
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:[") and target[8:-1] in inodes:
+            return True
+    return False

@@ -115,7 +115,6 @@ def cluster(
     secret = root / "cluster.secret"
     secret.write_text("netns-test-secret-0123456789abcdef\n")
     secret.chmod(0o600)
-    secret.chmod(0o600)
     hosts = Hosts.create(3)
     agents: list[AgentProcess] = []
     env = {**os.environ, "MLXPP_MODEL_CACHE": str(model_cache), "HF_HUB_OFFLINE": "1"}

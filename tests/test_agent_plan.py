@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
+from mlxppd.core.agent.desired import desired_state, match_node
 from mlxppd.core.agent.plan import (
     CoordinatorTarget,
     DesiredState,
@@ -25,8 +27,11 @@ from mlxppd.core.agent.plan import (
     UpdatePolicy,
     plan,
 )
-from mlxppd.core.config.cluster import ElasticPolicy
+from mlxppd.core.config.cluster import ElasticPolicy, parse_cluster_config
+from mlxppd.core.config.host import load_host_settings
+from mlxppd.core.cpu_weights import CpuWeights
 from mlxppd.core.layer_ranges import LayerRange
+from mlxppd.core.stages import STANDBY_INDEX
 
 POLICY = ElasticPolicy()
 STAGE = StageTarget("s0", 0, 2, LayerRange(0, 15), "10.0.0.2", 19001, "tcp")
@@ -39,6 +44,8 @@ COORD = CoordinatorTarget(
     (LayerRange(0, 15), LayerRange(15, 30)),
 )
 SPLIT_20 = (LayerRange(0, 20), LayerRange(20, 30))
+# A standby node's worker: same path as a stage's, no layers of its own.
+STANDBY = StageTarget("s0", STANDBY_INDEX, 2, None, "10.0.0.2", 19001, "tcp")
 
 
 def stage_node(stage: StageTarget = STAGE, gen: str = "g1") -> DesiredState:
@@ -187,6 +194,83 @@ CASES = [
             SetGeneration("g2"),
         ],
     ),
+    # --- standby nodes -------------------------------------------------------------------------
+    (
+        "a standby node starts its (empty) worker",
+        stage_node(STANDBY),
+        ObservedState(),
+        [StartStage(STANDBY), UpdatePolicy(POLICY), SetGeneration("g1")],
+    ),
+    # Its layers are the coordinator's to give: whatever it adopted, nothing is undone.
+    ("an unchanged standby does nothing", stage_node(STANDBY), running(stage=STANDBY), []),
+    (
+        "an unchanged standby under a new generation only records it",
+        stage_node(STANDBY, gen="g2"),
+        running(stage=STANDBY),
+        [SetGeneration("g2")],
+    ),
+    (
+        "a stage that becomes a standby stops and starts again",
+        stage_node(STANDBY, gen="g2"),
+        running(stage=STAGE),
+        [
+            StopStage("this node's role changed from pipeline_stage to standby"),
+            StartStage(STANDBY),
+            SetGeneration("g2"),
+        ],
+    ),
+    (
+        "a standby that becomes a stage stops and starts again",
+        stage_node(gen="g2"),
+        running(stage=STANDBY),
+        [
+            StopStage("this node's role changed from standby to pipeline_stage"),
+            StartStage(STAGE),
+            SetGeneration("g2"),
+        ],
+    ),
+    (
+        "a standby that becomes the coordinator stops its worker first",
+        coord_node(gen="g2"),
+        running(stage=STANDBY),
+        [
+            StopStage("this node is no longer a stage"),
+            StartCoordinator(COORD),
+            SetGeneration("g2"),
+        ],
+    ),
+    (
+        "a new port rebinds a standby in place (what it adopted stays)",
+        stage_node(replace(STANDBY, port=19002), gen="g2"),
+        running(stage=STANDBY),
+        [RebindStage(replace(STANDBY, port=19002)), SetGeneration("g2")],
+    ),
+    (
+        "a new KV budget is applied to a standby in place",
+        stage_node(replace(STANDBY, kv_budget_bytes=1 << 30)),
+        running(stage=STANDBY),
+        [UpdateKvBudget(replace(STANDBY, kv_budget_bytes=1 << 30))],
+    ),
+    (
+        "a new weight mode restarts a standby: it never reloads",
+        stage_node(replace(STANDBY, cpu_weights=CpuWeights.FLOAT32), gen="g2"),
+        running(stage=STANDBY),
+        [
+            StopStage("the standby's stage count or weight mode changed"),
+            StartStage(replace(STANDBY, cpu_weights=CpuWeights.FLOAT32)),
+            SetGeneration("g2"),
+        ],
+    ),
+    (
+        "a new stage count restarts a standby",
+        stage_node(replace(STANDBY, num_stages=3), gen="g2"),
+        running(stage=STANDBY),
+        [
+            StopStage("the standby's stage count or weight mode changed"),
+            StartStage(replace(STANDBY, num_stages=3)),
+            SetGeneration("g2"),
+        ],
+    ),
     # --- policy and generation -----------------------------------------------------------------
     (
         "a new elastic policy is applied",
@@ -217,3 +301,111 @@ def test_plan_is_idempotent_once_applied() -> None:
     desired = coord_node(replace(COORD, layers=SPLIT_20), gen="g2")
     after = running(coord=desired.coordinator, gen="g2")
     assert plan(desired, after) == ()
+
+
+def test_a_standby_target_has_no_layers_and_a_stage_target_has_some() -> None:
+    assert STANDBY.standby and not STAGE.standby
+    with pytest.raises(ValueError, match="layers exactly when it is not a standby"):
+        StageTarget("s0", STANDBY_INDEX, 2, LayerRange(0, 15), "10.0.0.2", 19001, "tcp")
+    with pytest.raises(ValueError, match="layers exactly when it is not a standby"):
+        StageTarget("s0", 0, 2, None, "10.0.0.2", 19001, "tcp")
+
+
+# -- a standby node's desired state -------------------------------------------------------------
+
+MODEL = {
+    "model_type": "llama",
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "vocab_size": 49152,
+    "tie_word_embeddings": True,
+}
+
+CLUSTER = """\
+[cluster]
+pipeline_parallel_size = 2
+kv_budget_bytes = 1000
+cpu_weights = "native"
+
+[[nodes]]
+id = "coordinator"
+address = "10.0.0.1:19000"
+role = "hybrid"
+
+[[nodes]]
+id = "stage-0"
+address = "10.0.0.2:19001"
+role = "pipeline_stage"
+stage = 0
+
+[[nodes]]
+id = "stage-1"
+address = "10.0.0.3:19001"
+role = "pipeline_stage"
+stage = 1
+
+[[nodes]]
+id = "spare"
+address = "10.0.0.4:19002"
+role = "standby"
+"""
+
+
+def _desired(tmp_path: Path, node_id: str, cluster: str = CLUSTER) -> DesiredState:
+    cfg = parse_cluster_config(cluster, "cluster.toml")
+    host = load_host_settings(tmp_path, environ={})
+    return desired_state(cfg, host, match_node(cfg, node_id, bool), MODEL, "g1")
+
+
+def test_a_standby_node_wants_a_worker_with_no_layers(tmp_path: Path) -> None:
+    desired = _desired(tmp_path, "spare")
+    assert desired.coordinator is None
+    assert desired.stage == StageTarget(
+        "spare",
+        STANDBY_INDEX,
+        2,
+        None,
+        "10.0.0.4",
+        19002,
+        "tcp",
+        kv_budget_bytes=1000,
+        cpu_weights=CpuWeights.NATIVE,
+    )
+    assert plan(desired, ObservedState()) == (
+        StartStage(desired.stage),
+        UpdatePolicy(desired.policy),
+        SetGeneration("g1"),
+    )
+
+
+def test_the_coordinator_and_stages_do_not_count_the_standby(tmp_path: Path) -> None:
+    coordinator = _desired(tmp_path, "coordinator").coordinator
+    assert coordinator is not None
+    assert [s.node_id for s in coordinator.stages] == ["stage-0", "stage-1"]
+    assert coordinator.layers == (LayerRange(0, 15), LayerRange(15, 30))
+    stage = _desired(tmp_path, "stage-1").stage
+    assert stage is not None and (stage.stage, stage.num_stages) == (1, 2)
+
+
+def test_a_role_edit_from_stage_to_standby_restarts_the_worker(tmp_path: Path) -> None:
+    before = _desired(tmp_path, "stage-1")
+    # The operator swaps the two: stage-1 becomes the standby and the spare serves stage 1.
+    swaps = {
+        'role = "pipeline_stage"\nstage = 1': 'role = "standby"',
+        '19002"\nrole = "standby"': '19002"\nrole = "pipeline_stage"\nstage = 1',
+    }
+    edited = CLUSTER
+    for old, new in swaps.items():
+        assert edited.count(old) == 1
+        edited = edited.replace(old, new)
+    after = _desired(tmp_path, "stage-1", edited)
+    assert before.stage is not None and after.stage is not None and after.stage.standby
+    assert plan(after, running(stage=before.stage)) == (
+        StopStage("this node's role changed from pipeline_stage to standby"),
+        StartStage(after.stage),
+    )
+    # Applied, the standby plans nothing more on later passes.
+    assert plan(after, running(stage=after.stage)) == ()

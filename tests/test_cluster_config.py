@@ -19,6 +19,7 @@ from mlxppd.core.config.cluster import (
     ClusterConfig,
     ClusterSection,
     ElasticPolicy,
+    FailoverPolicy,
     Node,
     NodeRole,
     cluster_json_schema_text,
@@ -50,10 +51,11 @@ def _toml(cluster: dict[str, Any] | None = None, nodes: list[dict[str, Any]] | N
     replacing the node list when given (a value of None drops the key)."""
     table: Table = {"name": "test", "pipeline_parallel_size": 2}
     table.update(cluster or {})
-    elastic = table.pop("elastic", None)
+    policies = {key: table.pop(key, None) for key in ("elastic", "failover")}
     lines = ["[cluster]"] + [f"{k} = {_value(v)}" for k, v in table.items() if v is not None]
-    if elastic is not None:
-        lines += ["", "[cluster.elastic]"] + [f"{k} = {_value(v)}" for k, v in elastic.items()]
+    for key, policy in policies.items():
+        if policy is not None:
+            lines += ["", f"[cluster.{key}]"] + [f"{k} = {_value(v)}" for k, v in policy.items()]
     for node in _STAGES_2 if nodes is None else nodes:
         lines += ["", "[[nodes]]"] + [
             f"{k} = {_value(v)}" for k, v in node.items() if v is not None
@@ -68,6 +70,10 @@ _STAGES_2: list[Table] = [
     {"id": "a", "address": "10.0.0.2:19001", "role": "pipeline_stage", "stage": 0},
     {"id": "b", "address": "10.0.0.3:19001", "role": "pipeline_stage", "stage": 1},
 ]
+
+
+def _standby(name: str = "spare", host: int = 9) -> Table:
+    return {"id": name, "address": f"10.0.0.{host}:19001", "role": "standby"}
 
 
 def _grid(pp: int = 2, tp: int = 2, role: str = "pipeline_tensor_parallel") -> list[dict[str, Any]]:
@@ -129,6 +135,23 @@ def test_example_2x2_cluster_toml_loads() -> None:
     assert {n.role for n in cfg.stage_nodes()} == {NodeRole.PIPELINE_TENSOR_PARALLEL}
 
 
+def test_example_failover_table_spells_out_the_defaults() -> None:
+    cfg = load_cluster_config(EXAMPLES / "cluster.toml")
+    assert "[cluster.failover]" in (EXAMPLES / "cluster.toml").read_text()
+    assert cfg.cluster.failover == FailoverPolicy()
+
+
+def test_example_standby_node_loads_once_uncommented(tmp_path: Path) -> None:
+    text = (EXAMPLES / "cluster.toml").read_text()
+    block = (
+        '# [[nodes]]\n# id = "standby-0"\n# address = "192.168.1.13:19001"\n# role = "standby"\n'
+    )
+    assert block in text
+    cfg = _load(tmp_path, text.replace(block, block.replace("# ", "")))
+    assert [n.id for n in cfg.standby_nodes()] == ["standby-0"]
+    assert [n.id for n in cfg.stage_nodes()] == ["stage-0", "stage-1"]
+
+
 @pytest.mark.parametrize("name", ["cluster.toml", "cluster-2x2.toml"])
 def test_examples_render_stably(name: str) -> None:
     text = render_cluster_toml(load_cluster_config(EXAMPLES / name))
@@ -148,6 +171,14 @@ def test_defaults() -> None:
     assert cfg.cluster.elastic == ElasticPolicy(
         enabled=False, drain_timeout_s=120.0, pressure_fraction=0.92, cool_down_s=30.0
     )
+    assert cfg.cluster.failover == FailoverPolicy(
+        enabled=True,
+        heartbeat_interval_s=1.0,
+        heartbeat_timeout_s=5.0,
+        reconnect_grace_s=10.0,
+        recovery_timeout_s=600.0,
+    )
+    assert cfg.standby_nodes() == []
 
 
 def test_elastic_table_is_read() -> None:
@@ -328,6 +359,84 @@ def test_missing_nodes(tmp_path: Path) -> None:
 )
 def test_elastic_values(tmp_path: Path, key: str, value: Any, fix: str) -> None:
     _refused(tmp_path, _toml({"elastic": {key: value}}), f"cluster.elastic.{key}", fix)
+
+
+# -- [cluster.failover] -----------------------------------------------------------------------
+
+
+def test_failover_table_is_read() -> None:
+    failover = {
+        "enabled": False,
+        "heartbeat_interval_s": 0.5,
+        "heartbeat_timeout_s": 2,
+        "reconnect_grace_s": 3,
+        "recovery_timeout_s": 3600,
+    }
+    cfg = parse_cluster_config(_toml({"failover": failover}), "t.toml")
+    assert cfg.cluster.failover == FailoverPolicy(
+        enabled=False,
+        heartbeat_interval_s=0.5,
+        heartbeat_timeout_s=2.0,
+        reconnect_grace_s=3.0,
+        recovery_timeout_s=3600.0,
+    )
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "fix"),
+    [
+        ("enabled", "no", "expected a boolean (true or false)"),
+        ("heartbeat_interval_s", 0, "use a value above 0"),
+        ("heartbeat_interval_s", -1, "use a value above 0"),
+        ("heartbeat_timeout_s", 3601, "use a value at most 3600"),
+        ("reconnect_grace_s", 0, "use a value above 0"),
+        ("reconnect_grace_s", "10", "expected a number"),
+        ("recovery_timeout_s", 0, "use a value above 0"),
+        ("recovery_timeout_s", 86400, "use a value at most 3600"),
+    ],
+)
+def test_failover_values(tmp_path: Path, key: str, value: Any, fix: str) -> None:
+    _refused(tmp_path, _toml({"failover": {key: value}}), f"cluster.failover.{key}", fix)
+
+
+@pytest.mark.parametrize(("interval", "timeout"), [(1.0, 2.0), (1.0, 1.5), (2.5, 5.0), (10.0, 5.0)])
+def test_heartbeat_timeout_must_outlast_two_intervals(
+    tmp_path: Path, interval: float, timeout: float
+) -> None:
+    failover = {"heartbeat_interval_s": interval, "heartbeat_timeout_s": timeout}
+    message = _refused(
+        tmp_path,
+        _toml({"failover": failover}),
+        "cluster.failover.heartbeat_timeout_s",
+        f"heartbeat_timeout_s = {timeout:g} s is not more than twice heartbeat_interval_s "
+        f"({interval:g} s)",
+        "one late heartbeat would count a healthy node as lost",
+        f"set heartbeat_timeout_s above {2 * interval:g} or lower heartbeat_interval_s",
+    )
+    assert "(line " in message
+
+
+def test_heartbeat_timeout_just_over_two_intervals_is_accepted() -> None:
+    failover = {"heartbeat_interval_s": 1.0, "heartbeat_timeout_s": 2.01}
+    cfg = parse_cluster_config(_toml({"failover": failover}), "t")
+    assert cfg.cluster.failover.heartbeat_timeout_s == 2.01
+
+
+def test_unknown_failover_key(tmp_path: Path) -> None:
+    _refused(
+        tmp_path,
+        _toml({"failover": {"heartbeat_timeout": 5}}),
+        "cluster.failover.heartbeat_timeout",
+        "did you mean 'heartbeat_timeout_s'?",
+    )
+
+
+def test_failover_policy_is_frozen_and_forbids_extra_keys() -> None:
+    policy = FailoverPolicy()
+    with pytest.raises(ValidationError):
+        policy.enabled = False  # type: ignore[misc]
+    with pytest.raises(ValidationError):
+        FailoverPolicy.model_validate({"enabled": True, "surprise": 1})
 
 
 # -- cluster.layers --------------------------------------------------------------------------
@@ -557,6 +666,74 @@ def test_pipeline_stage_cannot_claim_a_rank(tmp_path: Path) -> None:
     )
 
 
+# -- nodes: standbys -------------------------------------------------------------------------
+
+
+def test_standby_nodes_are_read_in_file_order_and_serve_no_stage() -> None:
+    nodes = [_standby("spare-b", 8), *_STAGES_2, _standby("spare-a", 9)]
+    cfg = parse_cluster_config(_toml(nodes=nodes), "t")
+    assert [n.id for n in cfg.standby_nodes()] == ["spare-b", "spare-a"]
+    assert [n.id for n in cfg.stage_nodes()] == ["a", "b"]
+    assert [n.id for n in cfg.nodes_at_rank(0)] == ["a", "b"]
+    assert cfg.coordinator.id == "coord"
+    spare = cfg.find_node("spare-a")
+    assert spare is not None and spare.role is NodeRole.STANDBY
+    assert (spare.stage, spare.rank, spare.host, spare.port) == (None, None, "10.0.0.9", 19001)
+
+
+def test_standbys_are_not_counted_in_pipeline_parallel_size(tmp_path: Path) -> None:
+    # Two stages plus a standby is a complete two-stage cluster, not three stages...
+    parse_cluster_config(_toml(nodes=[*_STAGES_2, _standby()]), "t")
+    # ...and a standby does not fill a missing stage.
+    _refused(
+        tmp_path,
+        _toml(nodes=[*_STAGES_2[:2], _standby()]),
+        "nodes",
+        "stage 1 has no node",
+    )
+
+
+@pytest.mark.parametrize("key", ["stage", "rank"])
+def test_a_standby_has_no_stage_or_rank(tmp_path: Path, key: str) -> None:
+    _refused(
+        tmp_path,
+        _toml(nodes=[*_STAGES_2, {**_standby(), key: 0}]),
+        f"nodes[3].{key}",
+        "node 'spare' is a standby, which serves no stage of its own until the coordinator "
+        "gives it a lost stage's layers",
+        f"remove its {key} key",
+    )
+
+
+def test_a_standby_needs_its_own_id_and_address(tmp_path: Path) -> None:
+    _refused(
+        tmp_path,
+        _toml(nodes=[*_STAGES_2, _standby(host=2)]),
+        "nodes[3].address",
+        "address '10.0.0.2:19001' is used by nodes 'a' and 'spare'",
+    )
+    _refused(
+        tmp_path, _toml(nodes=[*_STAGES_2, _standby("a")]), "nodes[3].id", "node id 'a' is used"
+    )
+
+
+def test_a_cluster_of_a_coordinator_and_standbys_only_is_refused(tmp_path: Path) -> None:
+    _refused(
+        tmp_path, _toml(nodes=[COORD, _standby("x", 8), _standby("y", 9)]), "nodes", "have no node"
+    )
+
+
+def test_standbys_render_last_in_file_order() -> None:
+    nodes = [_standby("z-spare", 8), *reversed(_STAGES_2), _standby("a-spare", 9)]
+    text = render_cluster_toml(parse_cluster_config(_toml(nodes=nodes), "t"))
+    assert text.endswith(
+        '[[nodes]]\nid = "b"\naddress = "10.0.0.3:19001"\nrole = "pipeline_stage"\nstage = 1\n'
+        '\n[[nodes]]\nid = "z-spare"\naddress = "10.0.0.8:19001"\nrole = "standby"\n'
+        '\n[[nodes]]\nid = "a-spare"\naddress = "10.0.0.9:19001"\nrole = "standby"\n'
+    )
+    assert render_cluster_toml(parse_cluster_config(text, "again")) == text
+
+
 # -- nodes: 2D PP x TP -----------------------------------------------------------------------
 
 
@@ -765,7 +942,8 @@ def test_schema_documents_every_field() -> None:
     for model in models:
         for name, prop in model["properties"].items():
             assert prop.get("description"), f"{model['title']}.{name} has no description"
-    assert set(schema["$defs"]) == {"ClusterSection", "ElasticPolicy", "Node"}
+    assert set(schema["$defs"]) == {"ClusterSection", "ElasticPolicy", "FailoverPolicy", "Node"}
+    assert "standby" in schema["$defs"]["Node"]["properties"]["role"]["enum"]
 
 
 # -- rendering -------------------------------------------------------------------------------
@@ -787,6 +965,13 @@ def test_render_layout() -> None:
         "drain_timeout_s = 120.0\n"
         "pressure_fraction = 0.92\n"
         "cool_down_s = 30.0\n"
+        "\n"
+        "[cluster.failover]\n"
+        "enabled = true\n"
+        "heartbeat_interval_s = 1.0\n"
+        "heartbeat_timeout_s = 5.0\n"
+        "reconnect_grace_s = 10.0\n"
+        "recovery_timeout_s = 600.0\n"
         "\n"
         "[[nodes]]\n"
         'id = "coord"\n'
@@ -825,11 +1010,24 @@ _ID = st.from_regex(r"[A-Za-z0-9._-]{1,12}", fullmatch=True)
 _HOSTS = ["10.0.0.1", "[fe80::1]", "studio-a.local", "localhost", "[::1]"]
 
 
+def _failover(draw: st.DrawFn) -> dict[str, Any]:
+    seconds = st.floats(0, 3600, exclude_min=True, allow_nan=False)
+    interval = draw(st.floats(0.001, 1000, allow_nan=False))
+    return {
+        "enabled": draw(st.booleans()),
+        "heartbeat_interval_s": interval,
+        "heartbeat_timeout_s": draw(st.floats(2 * interval, 3600, exclude_min=True)),
+        "reconnect_grace_s": draw(seconds),
+        "recovery_timeout_s": draw(seconds),
+    }
+
+
 @st.composite
 def _configs(draw: st.DrawFn) -> ClusterConfig:
     pp = draw(st.integers(2, 4))
     tp = draw(st.integers(1, 3))
-    count = 1 + pp * tp
+    standbys = draw(st.integers(0, 2))
+    count = 1 + pp * tp + standbys
     ids = draw(st.lists(_ID, min_size=count, max_size=count, unique=True))
     ports = draw(st.lists(st.integers(1, 65535), min_size=count, max_size=count, unique=True))
     addresses = [f"{draw(st.sampled_from(_HOSTS))}:{port}" for port in ports]
@@ -847,6 +1045,8 @@ def _configs(draw: st.DrawFn) -> ClusterConfig:
         if tp > 1:
             node["rank"] = rank
         nodes.append(node)
+    for i in range(count - standbys, count):
+        nodes.append({"id": ids[i], "address": addresses[i], "role": "standby"})
     layers = None
     if draw(st.booleans()):
         sizes = draw(st.lists(st.integers(1, 30), min_size=pp, max_size=pp))
@@ -866,6 +1066,7 @@ def _configs(draw: st.DrawFn) -> ClusterConfig:
             "pressure_fraction": draw(st.floats(0, 1, exclude_min=True)),
             "cool_down_s": draw(seconds),
         },
+        "failover": _failover(draw),
     }
     return ClusterConfig.model_validate({"cluster": cluster, "nodes": draw(st.permutations(nodes))})
 
@@ -875,9 +1076,10 @@ def _configs(draw: st.DrawFn) -> ClusterConfig:
 def test_render_load_render_is_byte_identical(cfg: ClusterConfig) -> None:
     text = render_cluster_toml(cfg)
     again = parse_cluster_config(text, "rendered.toml")
-    # Same cluster; the nodes come back in rendered order (coordinator, then by stage and rank).
+    # Same cluster; the nodes come back in rendered order (coordinator, then by stage and rank,
+    # then the standbys in their order).
     assert again.cluster == cfg.cluster
-    assert again.nodes == [cfg.coordinator, *cfg.stage_nodes()]
+    assert again.nodes == [cfg.coordinator, *cfg.stage_nodes(), *cfg.standby_nodes()]
     assert render_cluster_toml(again) == text
 
 
@@ -886,6 +1088,9 @@ def test_render_load_render_is_byte_identical(cfg: ClusterConfig) -> None:
 def test_node_order_does_not_change_the_output(cfg: ClusterConfig, rng: Any) -> None:
     shuffled = list(cfg.nodes)
     rng.shuffle(shuffled)
+    # Standbys keep their order among themselves: it is the order the coordinator tries them.
+    standbys = iter(cfg.standby_nodes())
+    shuffled = [next(standbys) if n.role is NodeRole.STANDBY else n for n in shuffled]
     other = ClusterConfig(cluster=cfg.cluster, nodes=shuffled)
     assert render_cluster_toml(other) == render_cluster_toml(cfg)
 

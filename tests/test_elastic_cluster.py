@@ -57,6 +57,10 @@ drain_timeout_s = {drain}
 pressure_fraction = {fraction}
 cool_down_s = {cool_down}
 
+# A restarted agent reloads the model before it listens again: wait for it.
+[cluster.failover]
+reconnect_grace_s = 300
+
 """
 
 
@@ -152,7 +156,6 @@ def cluster(
 ) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("elastic")
     (root / "cluster.secret").write_text("elastic-test-secret-0123456789abcdef\n")
-    (root / "cluster.secret").chmod(0o600)
     (root / "cluster.secret").chmod(0o600)
     ports = [free_port() for _ in range(3)]
     http = free_port()

@@ -226,9 +226,15 @@ def run_local_cluster(template: NodeOptions, ranges: tuple[LayerRange, ...]) -> 
         log_level=template.log_level,
         given_secret_file=template.secret_file,
     )
+
+    async def coordinate() -> int:
+        # Supervision ends inside the loop, so no stage is restarted once stop() begins.
+        async with cluster.supervision():
+            return await run_coordinator_node(cluster.node_options(template))
+
     try:
         cluster.start_stages()
-        return event_loop.run(run_coordinator_node(cluster.node_options(template)))
+        return event_loop.run(coordinate())
     except KeyboardInterrupt:
         return 130
     finally:

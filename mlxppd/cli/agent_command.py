@@ -160,9 +160,12 @@ def run_check(args: argparse.Namespace) -> int:
     environ = _environ(args)
     config_dir = config_dir_from(args.config_dir, environ)
     desired, context = load_configuration(config_dir, _overrides(args), environ, is_local_address)
-    if desired.stage is not None:
-        r = desired.stage.layers
-        role = f"pipeline_stage {desired.stage.stage}, layers {r.start}-{r.last}"
+    stage = desired.stage
+    if stage is not None and stage.layers is not None:
+        r = stage.layers
+        role = f"pipeline_stage {stage.stage}, layers {r.start}-{r.last}"
+    elif stage is not None:
+        role = "standby, holding no layers until the coordinator gives it a lost stage's"
     else:
         assert desired.coordinator is not None
         c = desired.coordinator

@@ -312,6 +312,23 @@ def render_status(document: Mapping[str, Any], badge: str, detail: str, *, dash:
         if isinstance(event, Mapping):
             elastic += f"; last event: {_event_line(event)} ({event.get('trigger')})"
         lines.append(elastic)
+    failovers = coordinator.get("failovers")
+    if isinstance(failovers, list) and failovers:
+        last = failovers[-1] if isinstance(failovers[-1], Mapping) else {}
+        lines.append(
+            f"failovers: {len(failovers)}; last: stage {_text(last.get('lost_stage'))} "
+            f"({_text(last.get('lost_node'))}) lost, {_text(last.get('outcome'))} after "
+            f"{float(last.get('seconds') or 0):.1f} s: {_text(last.get('detail'))}; "
+            f"{_text(last.get('sequences'))} sequences"
+        )
+    standbys = document.get("standbys")
+    if isinstance(standbys, list) and standbys:
+        names = []
+        for standby in standbys:
+            if isinstance(standby, Mapping):
+                serving = standby.get("layers") and f"serving stage {_text(standby.get('stage'))}"
+                names.append(f"{_text(standby.get('node_id'))} ({serving or 'idle'})")
+        lines.append("standby nodes: " + ", ".join(names))
     stages = document.get("stages")
     for stage in stages if isinstance(stages, list) else []:
         if not isinstance(stage, Mapping):

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 from mlxppd.core.layer_ranges import LayerRange
 
+#: the index of a standby node's spec: in no stage, no layers, neither embedding nor head
+STANDBY_INDEX = -1
+
 
 @dataclass(frozen=True)
 class StageSpec:
@@ -36,7 +39,18 @@ class StageSpec:
 
     def matches(self, plan: Sequence[tuple[int, int]]) -> bool:
         """True when ``plan`` ([start, end) per stage) gives this stage exactly its layers."""
-        return len(plan) == self.num_stages and tuple(plan[self.index]) == (self.start, self.end)
+        if self.is_standby or len(plan) != self.num_stages:
+            return False
+        return tuple(plan[self.index]) == (self.start, self.end)
+
+    @property
+    def is_standby(self) -> bool:
+        """A standby holds no layers until the coordinator gives it a lost stage's."""
+        return self.index == STANDBY_INDEX
+
+    @classmethod
+    def standby(cls, num_stages: int) -> StageSpec:
+        return cls(STANDBY_INDEX, num_stages, 0, 0)
 
 
 def stage_specs(ranges: tuple[LayerRange, ...]) -> tuple[StageSpec, ...]:

@@ -6,10 +6,16 @@ coordinator. The secret is a fresh one in a private temporary directory, or the
 failure stops everything already started; Ctrl-C stops it all. Stage processes
 live in their own session (a terminal's Ctrl-C reaches only this supervisor, which stops them in
 order) and ask the kernel to end them if the supervisor dies, so none is ever left behind.
+
+While the coordinator runs, ``supervision()`` restarts a stage process that exits (a crash, an
+OOM kill) on the same port with the same command, paced by ``mlxppd/core/restart_policy.py``.
+It runs on the coordinator's event loop, in the main thread: ``PR_SET_PDEATHSIG`` fires when the
+*thread* that started a child ends, so a helper thread would take its restarted stages with it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import logging
@@ -22,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -29,13 +36,16 @@ from mlxppd.core.config.cluster import ClusterConfig, parse_cluster_config
 from mlxppd.core.config.render import render_cluster_toml
 from mlxppd.core.errors import TemporaryError
 from mlxppd.core.layer_ranges import LayerRange, format_pp_layers
+from mlxppd.core.restart_policy import RestartPolicy
 from mlxppd.runtime.serve import NodeOptions
 from mlxppd.wire.secret import load_cluster_secret
+from mlxppd.wire.tasks import spawn, stop_tasks
 
 log = logging.getLogger("mlxppd.local")
 
 _PR_SET_PDEATHSIG = 1
 STAGE_START_TIMEOUT_S = 300.0
+SUPERVISE_POLL_S = 0.2
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -83,6 +93,9 @@ class LocalCluster:
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     given_secret_file: str | None = None
     """--cluster-secret-file: the stages and the coordinator use it; None: a fresh secret"""
+    restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
+    restarts: list[int] = field(default_factory=list, init=False)
+    """how often each stage was restarted"""
 
     def __post_init__(self) -> None:
         if self.given_secret_file is not None:
@@ -98,9 +111,13 @@ class LocalCluster:
             fd = os.open(self.secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as f:
                 f.write(secrets.token_hex(32) + "\n")
-        ports = [free_port() for _ in self.ranges]
+        self.ports = [free_port() for _ in self.ranges]
         self.cluster_file = self.workdir / "cluster.toml"
-        self.cluster_file.write_text(local_cluster_toml(self.ranges, ports, "mlxpp-local"))
+        self.cluster_file.write_text(local_cluster_toml(self.ranges, self.ports, "mlxpp-local"))
+        self.restarts = [0 for _ in self.ranges]
+        # When each stage's current process listened (None: not yet), for the restart policy.
+        self._ready_at: list[float | None] = [None for _ in self.ranges]
+        self._stopping = False
 
     def _stage_command(self, index: int, ready: Path) -> list[str]:
         cmd = [sys.executable, "-m", "mlxppd.cli.mlxppd_main", "serve"]
@@ -116,19 +133,33 @@ class LocalCluster:
             cmd += ["--cpu-weights", self.cpu_weights]
         return [*cmd, "--log-level", self.log_level]
 
+    def _ready_file(self, index: int) -> Path:
+        return self.workdir / f"stage-{index}.ready"
+
+    def _spawn(self, index: int) -> subprocess.Popen[bytes]:
+        ready = self._ready_file(index)
+        # A ready file left by an earlier process would pass for this one listening.
+        ready.unlink(missing_ok=True)
+        self._ready_at[index] = None
+        return subprocess.Popen(
+            self._stage_command(index, ready),
+            start_new_session=True,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,  # noqa: PLW1509
+        )
+
+    def _listened(self, index: int) -> None:
+        self._ready_at[index] = time.monotonic()
+        address = self._ready_file(index).read_text().strip()
+        print(f"stage {index} listening on {address}", file=sys.stderr)
+
     def start_stages(self) -> None:
         """Start every stage in ascending order, each listening before the next starts."""
         for i in range(len(self.ranges)):
-            ready = self.workdir / f"stage-{i}.ready"
-            proc = subprocess.Popen(
-                self._stage_command(i, ready),
-                start_new_session=True,
-                preexec_fn=_die_with_parent if sys.platform == "linux" else None,  # noqa: PLW1509
-            )
+            proc = self._spawn(i)
             self.procs.append(proc)
             print(f"starting stage {i}/{len(self.ranges)} (pid {proc.pid})...", file=sys.stderr)
             deadline = time.monotonic() + STAGE_START_TIMEOUT_S
-            while not ready.exists():
+            while not self._ready_file(i).exists():
                 if proc.poll() is not None:
                     raise TemporaryError(
                         f"stage {i} exited with status {proc.returncode} before it listened; "
@@ -139,10 +170,80 @@ class LocalCluster:
                         f"stage {i} did not listen within {STAGE_START_TIMEOUT_S}s"
                     )
                 time.sleep(0.05)
-            print(f"stage {i} listening on {ready.read_text().strip()}", file=sys.stderr)
+            self._listened(i)
+
+    @contextlib.asynccontextmanager
+    async def supervision(self) -> AsyncIterator[None]:
+        """Restart stages that exit while the body runs; on leaving, stop restarting (and wait
+        for that) before anyone calls ``stop``."""
+        task = spawn(self._supervise(), name="local-cluster-supervisor")
+        try:
+            yield
+        finally:
+            # Errors were logged when they happened; they must not hide the body's outcome.
+            await stop_tasks(task, ignore_errors=True)
+
+    async def _supervise(self) -> None:
+        # One watcher per stage, so a stage slow to come back delays no other stage's restart.
+        async with asyncio.TaskGroup() as group:
+            for i in range(len(self.procs)):
+                group.create_task(self._watch_stage(i), name=f"stage-{i}-watch")
+
+    async def _watch_stage(self, index: int) -> None:
+        failed_starts = 0
+        while not self._stopping:
+            proc = self.procs[index]
+            while proc.poll() is None:
+                await asyncio.sleep(SUPERVISE_POLL_S)
+            ready_at = self._ready_at[index]
+            served_s = 0.0 if ready_at is None else time.monotonic() - ready_at
+            decision = self.restart_policy.after_exit(failed_starts, served_s)
+            failed_starts = decision.failed_starts
+            where = f"127.0.0.1:{self.ports[index]}"
+            if decision.delay_s is None:
+                log.error(
+                    "stage %d (pid %d) exited with status %s after %d failed starts in a row; "
+                    "not restarting it (%s stays down)",
+                    index, proc.pid, proc.returncode, failed_starts, where,
+                )  # fmt: skip
+                return
+            self.restarts[index] += 1
+            log.warning(
+                "stage %d (pid %d) exited with status %s; restarting it on %s in %.1fs "
+                "(restart %d)",
+                index, proc.pid, proc.returncode, where, decision.delay_s, self.restarts[index],
+            )  # fmt: skip
+            await asyncio.sleep(decision.delay_s)
+            if self._stopping:
+                return
+            await self._restart(index)
+
+    async def _restart(self, index: int) -> None:
+        """Start stage ``index`` again and wait until it listens, exits or runs out of time."""
+        try:
+            proc = self._spawn(index)
+        except OSError as e:
+            # No process (fork failed): counts as a failed start, paced like any other.
+            log.error("stage %d could not be restarted: %s", index, e)
+            return
+        self.procs[index] = proc
+        print(f"restarted stage {index}/{len(self.ranges)} (pid {proc.pid})", file=sys.stderr)
+        deadline = time.monotonic() + STAGE_START_TIMEOUT_S
+        while proc.poll() is None:
+            if self._ready_file(index).exists():
+                self._listened(index)
+                return
+            if time.monotonic() > deadline:
+                log.error(
+                    "stage %d did not listen within %ss; ending it", index, STAGE_START_TIMEOUT_S
+                )
+                proc.kill()
+                return
+            await asyncio.sleep(0.05)
 
     def stop(self) -> None:
         """Stop every stage, last first; SIGKILL what does not exit in 10 s."""
+        self._stopping = True  # no restart from here on, whoever still runs
         for proc in reversed(self.procs):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)

@@ -151,12 +151,14 @@ async def start_coordinator(options: NodeOptions) -> Coordinator:
             key="--node-id",
         )
     model_dir = resolve_model_dir(options.model)
+    model_config = read_model_config(model_dir)
     setup = CoordinatorSetup(
         cluster=cluster,
         node_id=node.id,
         secret=secret,
         transport=cluster.cluster.transport_backend,
-        plan=cluster_layer_plan(cluster, read_model_config(model_dir)),
+        plan=cluster_layer_plan(cluster, model_config),
+        model_config=model_config,
         micro_batch_size=options.micro_batch_size,
         parallel=options.parallel,
         warmup=options.warmup,

@@ -17,6 +17,7 @@ from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.layer_ranges import LayerRange, parse_pp_layers
 from mlxppd.core.partition.plan import balance_layers
 from mlxppd.core.profile.model import profile_from_config
+from mlxppd.core.stages import STANDBY_INDEX
 
 __all__ = ["cluster_layer_plan", "config_generation", "desired_state", "match_node"]
 
@@ -80,7 +81,8 @@ def desired_state(
     model_config: Mapping[str, Any],
     generation: str,
 ) -> DesiredState:
-    """What ``node`` should run under these files."""
+    """What ``node`` should run under these files: the coordinator, a stage worker, or (a
+    standby node) a stage worker holding no layers until the coordinator gives it some."""
     if cluster.cluster.tensor_parallel_size > 1:
         raise ConfigurationError(
             "the agent serves pipeline-only clusters; set tensor_parallel_size = 1",
@@ -102,12 +104,16 @@ def desired_state(
             api_key=host.api_key,
         )
         return DesiredState(node.id, generation, cluster.cluster.elastic, coordinator=coordinator)
-    assert node.stage is not None  # the cluster model guarantees it for stage nodes
+    index = STANDBY_INDEX
+    layers: LayerRange | None = None  # a standby's come from the coordinator, not the files
+    if node.role is not NodeRole.STANDBY:
+        assert node.stage is not None  # the cluster model guarantees it for stage nodes
+        index, layers = node.stage, ranges[node.stage]
     stage = StageTarget(
         node_id=node.id,
-        stage=node.stage,
+        stage=index,
         num_stages=len(ranges),
-        layers=ranges[node.stage],
+        layers=layers,
         host=node.host,
         port=node.port,
         transport=transport,

@@ -14,6 +14,7 @@ from mlxppd.core.config.cluster import ElasticPolicy
 from mlxppd.core.cpu_weights import CpuWeights
 from mlxppd.core.kv_admission import DEFAULT_STAGE_SEQUENCES
 from mlxppd.core.layer_ranges import LayerRange
+from mlxppd.core.stages import STANDBY_INDEX
 
 __all__ = [
     "Action",
@@ -38,12 +39,17 @@ __all__ = [
 
 @dataclass(frozen=True)
 class StageTarget:
-    """A stage worker: where it listens, which layers it holds, how it talks."""
+    """A stage worker: where it listens, which layers it holds, how it talks.
+
+    A standby node runs one too, holding no layers (``stage`` is ``STANDBY_INDEX``, ``layers``
+    None) until the coordinator gives it a lost stage's; its agent never takes them back."""
 
     node_id: str
     stage: int
+    """stage index (0-based); STANDBY_INDEX (-1) for a standby"""
     num_stages: int
-    layers: LayerRange
+    layers: LayerRange | None
+    """the layers the TOML gives this stage; None for a standby"""
     host: str
     port: int
     transport: str
@@ -53,6 +59,18 @@ class StageTarget:
     """how the stage holds its weights on a CPU host"""
     max_sequences: int = DEFAULT_STAGE_SEQUENCES
     """sequences the stage holds KV for (sequences)"""
+
+    def __post_init__(self) -> None:
+        if (self.stage == STANDBY_INDEX) != (self.layers is None):
+            raise ValueError(
+                f"a stage target has layers exactly when it is not a standby: stage "
+                f"{self.stage}, layers {self.layers}"
+            )
+
+    @property
+    def standby(self) -> bool:
+        """A standby node's worker: no layers of its own."""
+        return self.stage == STANDBY_INDEX
 
     def same_layers(self, other: StageTarget) -> bool:
         # A different weight mode means loading the layers again.
@@ -208,11 +226,25 @@ Action = (
 )
 
 
+def _stage_restart(want: StageTarget, have: StageTarget) -> str | None:
+    """Why the worker must stop and start again (None: it changes in place)."""
+    if want.standby != have.standby:
+        old, new = ("standby", "pipeline_stage") if have.standby else ("pipeline_stage", "standby")
+        return f"this node's role changed from {old} to {new}"
+    if want.standby and not want.same_layers(have):
+        # A standby's layers are the coordinator's to give (or to have given): its agent never
+        # reloads them; new settings for its next adoption take a fresh start.
+        return "the standby's stage count or weight mode changed"
+    return None
+
+
 def _stage_actions(want: StageTarget | None, have: StageTarget | None) -> list[Action]:
     if want is None:
         return [StopStage("this node is no longer a stage")] if have is not None else []
     if have is None:
         return [StartStage(want)]
+    if (reason := _stage_restart(want, have)) is not None:
+        return [StopStage(reason), StartStage(want)]
     out: list[Action] = []
     if not want.same_layers(have):
         out.append(ReloadStage(want))

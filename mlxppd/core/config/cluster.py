@@ -3,9 +3,10 @@
 Text-level helpers live beside it: ``addresses`` (host:port), ``messages`` (error wording) and
 ``render`` (the TOML text, which imports this module; this one never imports it).
 
-One file describes the whole cluster: ``[cluster]`` (sizes, transport, secret, elastic policy,
-optional layer ranges) and one ``[[nodes]]`` entry per process. Every invariant the runtime relies
-on is checked here, so later layers can trust a ``ClusterConfig`` without re-checking it.
+One file describes the whole cluster: ``[cluster]`` (sizes, transport, secret, elastic and
+failover policies, optional layer ranges) and one ``[[nodes]]`` entry per process. Every
+invariant the runtime relies on is checked here, so later layers can trust a ``ClusterConfig``
+without re-checking it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pydantic import (
 )
 
 from mlxppd.core.config.addresses import address_key, parse_address
+from mlxppd.core.config.failover import FailoverPolicy
 from mlxppd.core.config.messages import KeyedValueError, validation_error
 from mlxppd.core.config.names import NAME_SCHEMA, name_problem, suggested_name
 from mlxppd.core.cpu_weights import CpuWeights, CpuWeightsField
@@ -37,6 +39,7 @@ __all__ = [
     "ClusterConfig",
     "ClusterSection",
     "ElasticPolicy",
+    "FailoverPolicy",
     "Node",
     "NodeRole",
     "TransportBackend",
@@ -58,6 +61,9 @@ class NodeRole(enum.StrEnum):
     COORDINATOR = "hybrid"
     PIPELINE_STAGE = "pipeline_stage"
     PIPELINE_TENSOR_PARALLEL = "pipeline_tensor_parallel"
+    #: runs an agent and holds the model files but serves no layers until the coordinator
+    #: gives it a lost stage's; not counted in pipeline_parallel_size
+    STANDBY = "standby"
 
 
 # Spellings accepted on input (aliases); output always uses the canonical value.
@@ -146,6 +152,10 @@ class ClusterSection(_Strict):
     elastic: ElasticPolicy = Field(
         default_factory=ElasticPolicy, description="Elastic repartitioning policy."
     )
+    failover: FailoverPolicy = Field(
+        default_factory=FailoverPolicy,
+        description="Surviving the loss of a stage: heartbeats, reconnecting, standby nodes.",
+    )
     layers: list[str] | None = Field(
         None,
         min_length=1,
@@ -224,8 +234,9 @@ class Node(_Strict):
     )
     role: RoleField = Field(
         ...,
-        description="'hybrid' (the coordinator; alias 'coordinator'), 'pipeline_stage', or "
-        "'pipeline_tensor_parallel' (aliases 'pp_tp', '2d').",
+        description="'hybrid' (the coordinator; alias 'coordinator'), 'pipeline_stage', "
+        "'pipeline_tensor_parallel' (aliases 'pp_tp', '2d'), or 'standby' (no layers until "
+        "the coordinator gives it a lost stage's).",
     )
     stage: int | None = Field(
         None, ge=0, strict=True, description="Pipeline stage index (0-based); stage nodes only."
@@ -269,7 +280,9 @@ class ClusterConfig(_Strict):
 
     cluster: ClusterSection = Field(..., description="Cluster-wide settings.")
     nodes: list[Node] = Field(
-        ..., description="Every node: one hybrid coordinator plus one node per (stage, rank)."
+        ...,
+        description="Every node: one hybrid coordinator, one node per (stage, rank), and any "
+        "standby nodes.",
     )
 
     @model_validator(mode="after")
@@ -283,9 +296,14 @@ class ClusterConfig(_Strict):
         return next(n for n in self.nodes if n.role is NodeRole.COORDINATOR)
 
     def stage_nodes(self) -> list[Node]:
-        """Every non-coordinator node, ordered by (stage, rank)."""
-        stages = [n for n in self.nodes if n.role is not NodeRole.COORDINATOR]
+        """Every node of a stage (not the coordinator, not a standby), by (stage, rank)."""
+        serving = (NodeRole.COORDINATOR, NodeRole.STANDBY)
+        stages = [n for n in self.nodes if n.role not in serving]
         return sorted(stages, key=lambda n: (n.stage, n.tp_rank))
+
+    def standby_nodes(self) -> list[Node]:
+        """The standby nodes, in the file's order."""
+        return [n for n in self.nodes if n.role is NodeRole.STANDBY]
 
     def nodes_at_stage(self, stage: int) -> list[Node]:
         """The nodes of one pipeline stage, ordered by rank (one node when not 2D)."""
@@ -321,9 +339,8 @@ def _check_topology(cfg: ClusterConfig) -> None:
     slots: dict[tuple[int, int], int] = {}
     for i, node in enumerate(cfg.nodes):
         _check_unique(cfg, i, seen_ids, seen_addresses)
-        if node.role is NodeRole.COORDINATOR:
-            _check_coordinator(cfg, i, coordinators)
-            coordinators.append(i)
+        if node.role in (NodeRole.COORDINATOR, NodeRole.STANDBY):
+            _check_stageless(cfg, i, coordinators)
             continue
         slot = _stage_slot(node, i, pp, tp)
         if slot in slots:
@@ -371,21 +388,27 @@ def _check_unique(
     seen_addresses[canon] = i
 
 
-def _check_coordinator(cfg: ClusterConfig, i: int, coordinators: list[int]) -> None:
+def _check_stageless(cfg: ClusterConfig, i: int, coordinators: list[int]) -> None:
+    """The coordinator (one per cluster, recorded) or a standby: no stage or rank key."""
     node = cfg.nodes[i]
-    if coordinators:
+    if node.role is NodeRole.COORDINATOR and coordinators:
         other = cfg.nodes[coordinators[0]].id
         raise KeyedValueError(
             ("nodes", i, "role"),
             f"nodes '{other}' and '{node.id}' both have role 'hybrid'; a cluster has "
             "exactly one coordinator, so give the others role 'pipeline_stage'",
         )
+    if node.role is NodeRole.COORDINATOR:
+        coordinators.append(i)
+        what = f"the coordinator '{node.id}' runs no stage"
+    else:
+        what = (
+            f"node '{node.id}' is a standby, which serves no stage of its own until the "
+            "coordinator gives it a lost stage's layers"
+        )
     for key in ("stage", "rank"):
         if getattr(node, key) is not None:
-            raise KeyedValueError(
-                ("nodes", i, key),
-                f"the coordinator '{node.id}' runs no stage; remove its {key} key",
-            )
+            raise KeyedValueError(("nodes", i, key), f"{what}; remove its {key} key")
 
 
 def _stage_slot(node: Node, i: int, pp: int, tp: int) -> tuple[int, int]:

@@ -12,6 +12,14 @@ CLUSTER_TOML_HEADER = (
     "# bytes. Hand edits are fine; the next render restores the order.\n"
 )
 
+_ELASTIC_KEYS = ("enabled", "drain_timeout_s", "pressure_fraction", "cool_down_s")
+_FAILOVER_KEYS = (
+    "enabled",
+    "heartbeat_interval_s",
+    "heartbeat_timeout_s",
+    "reconnect_grace_s",
+    "recovery_timeout_s",
+)
 
 # -- rendering -------------------------------------------------------------------------------
 
@@ -67,8 +75,10 @@ def _node_lines(node: Node) -> list[str]:
 def render_cluster_toml(cfg: ClusterConfig) -> str:
     """Render ``cfg`` as TOML, byte-identical for equal clusters whatever the node order.
 
-    ``[cluster.elastic]`` is always written, with every key, so the file shows every knob.
-    Nodes: the coordinator first, then stage nodes by (stage, rank).
+    ``[cluster.elastic]`` and ``[cluster.failover]`` are always written, with every key, so
+    the file shows every knob. Nodes: the coordinator first, then stage nodes by (stage, rank),
+    then standby nodes in the file's order (the order the coordinator tries them in, so two
+    files listing standbys in different orders describe different clusters).
     """
     c = cfg.cluster
     lines = [CLUSTER_TOML_HEADER.rstrip("\n"), "", "[cluster]"]
@@ -85,8 +95,11 @@ def render_cluster_toml(cfg: ClusterConfig) -> str:
     if c.cpu_weights != "auto":
         lines.append(f"cpu_weights = {_toml_value(str(c.cpu_weights))}")
     lines += ["", "[cluster.elastic]"]
-    for key in ("enabled", "drain_timeout_s", "pressure_fraction", "cool_down_s"):
+    for key in _ELASTIC_KEYS:
         lines.append(f"{key} = {_toml_value(getattr(c.elastic, key))}")
-    for node in [cfg.coordinator, *cfg.stage_nodes()]:
+    lines += ["", "[cluster.failover]"]
+    for key in _FAILOVER_KEYS:
+        lines.append(f"{key} = {_toml_value(getattr(c.failover, key))}")
+    for node in [cfg.coordinator, *cfg.stage_nodes(), *cfg.standby_nodes()]:
         lines += ["", *_node_lines(node)]
     return "\n".join(lines) + "\n"

@@ -105,6 +105,13 @@ class Admit(StrictModel):
     temperature: float = Field(0.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    first_draw: int = Field(
+        0,
+        ge=0,
+        le=MAX_SEQUENCE_TOKENS,
+        description="the position of the sequence's next random draw: tokens it generated "
+        "before (a replay after failover continues the same draws)",
+    )
     plan: Plan | None = Field(
         None,
         max_length=4096,
@@ -129,6 +136,16 @@ class Configure(StrictModel):
     next_port: int | None = Field(None, ge=1, le=65535)
     next_node: str | None = Field(None, max_length=128)
     trace: bool = Field(False, description="record trace events until asked for them")
+    heartbeat_interval_s: float | None = Field(
+        None, gt=0, le=3600, description="send a heartbeat this often, seconds (None: never)"
+    )
+    heartbeat_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        le=3600,
+        description="nothing from the coordinator for this long, seconds: it is lost (the "
+        "stage closes its channel and frees its KV; None: wait forever)",
+    )
 
 
 class TraceDump(StrictModel):
@@ -165,9 +182,22 @@ class Reassign(StrictModel):
     plan: Plan = Field(
         min_length=1, max_length=4096, description="[start, end) layers of every stage"
     )
+    stage: int | None = Field(
+        None,
+        ge=0,
+        le=4096,
+        description="the stage this node becomes in ``plan`` (None: the one it is): a standby "
+        "adopting a lost stage, survivors closing the gap",
+    )
 
 
-Command = Admit | Release | Configure | Status | TraceDump | Admission | Reassign
+class Heartbeat(StrictModel):
+    """Both ways on a coordinator's stage link, every interval: the link is alive (no reply)."""
+
+    op: Literal["heartbeat"] = "heartbeat"
+
+
+Command = Admit | Release | Configure | Status | TraceDump | Admission | Reassign | Heartbeat
 _CONTROL: TypeAdapter[Command] = TypeAdapter(Annotated[Command, Field(discriminator="op")])
 
 
@@ -349,7 +379,7 @@ class StageReport(StageExtras):
     """A stage's status reply: what it holds, how busy it was, its counters and clock."""
 
     rid: Rid = 0
-    stage: int = Field(ge=0, le=4096)
+    stage: int = Field(ge=-1, le=4096, description="-1: a standby, serving no layers yet")
     layers: LayerPair = Field(description="[start, end) of the layers it serves")
     parameter_bytes: Count
     weights: str = Field(max_length=32, description="float32 or native")

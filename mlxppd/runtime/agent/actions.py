@@ -73,11 +73,14 @@ class AgentContext:
 
 
 def _spec(target: StageTarget) -> StageSpec:
+    if target.layers is None:  # a standby: no layers until the coordinator gives it a stage's
+        return StageSpec.standby(target.num_stages)
     return StageSpec(target.stage, target.num_stages, target.layers.start, target.layers.end)
 
 
 class NodeRuntime:
-    """What this node runs: a stage worker, or the coordinator with its HTTP API."""
+    """What this node runs: a stage worker (a standby's holds no layers until the coordinator
+    gives it a lost stage's), or the coordinator with its HTTP API."""
 
     def __init__(
         self,
@@ -107,6 +110,11 @@ class NodeRuntime:
         self.driver: ElasticDriver | None = None
         self._driver_stop = asyncio.Event()
         self._pressure: asyncio.Task[None] | None = None
+
+    def held_spec(self) -> StageSpec | None:
+        """The layers the stage worker holds now: the TOML's, or for a standby the ones the
+        coordinator gave it (``is_standby`` while it holds none); None without a worker."""
+        return self.worker.spec if self.worker is not None else None
 
     def observed(self) -> ObservedState:
         connected = True
@@ -191,6 +199,7 @@ class NodeRuntime:
         """Drain this stage, load the new layers, swap them in, resume. On any failure the
         old layers keep serving."""
         assert self.worker is not None and self.stage is not None
+        assert target.layers is not None  # plan() never reloads a standby: it restarts it
         worker = self.worker
         started = time.monotonic()
         if not await worker.drain(ctx.host.drain_timeout_s):
@@ -282,6 +291,7 @@ class NodeRuntime:
             parallel=target.parallel,
             warmup=ctx.host.warmup,
             connect_timeout_s=self.connect_timeout_s,
+            model_config=ctx.model_config,
         )
         self.backend.coordinator = await start_pipeline_coordinator(
             setup, self.backend.tokenizer, self.backend.model_id, self.metrics
@@ -373,10 +383,9 @@ def _describe(action: Action) -> str:
     name = type(action).__name__
     target = getattr(action, "target", None)
     if isinstance(target, StageTarget):
-        return (
-            f"{name} stage {target.stage} layers {target.layers.start}-{target.layers.last} "
-            f"on {target.host}:{target.port} ({target.transport})"
-        )
+        r = target.layers
+        what = f"stage {target.stage} layers {r.start}-{r.last}" if r else "standby, no layers"
+        return f"{name} {what} on {target.host}:{target.port} ({target.transport})"
     if isinstance(target, CoordinatorTarget):
         ranges = ",".join(f"{r.start}-{r.last}" for r in target.layers)
         return f"{name} layers {ranges} http {target.http_host}:{target.http_port}"

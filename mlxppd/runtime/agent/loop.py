@@ -26,6 +26,7 @@ from mlxppd.core.config.host import CLUSTER_FILE, HOST_FILE, HostSettings, load_
 from mlxppd.core.errors import ConfigurationError, MlxppError
 from mlxppd.core.profile.model import read_model_config
 from mlxppd.core.protocol.control import StageExtras, clip
+from mlxppd.core.stages import StageSpec
 from mlxppd.engine.model_files import resolve_model_dir
 from mlxppd.engine.tokenizer import load_tokenizer
 from mlxppd.runtime.agent.actions import AgentContext, NodeRuntime
@@ -91,6 +92,20 @@ def load_configuration(
     config = read_model_config(model_dir)
     desired = desired_state(cluster, host, node, config, config_generation(raw))
     return desired, AgentContext(cluster, host, secret, model_dir, config)
+
+
+def _role(desired: DesiredState) -> str:
+    """The node's role for its journal fields: coordinator, pipeline_stage or standby."""
+    if desired.coordinator is not None:
+        return "coordinator"
+    return "standby" if desired.stage is not None and desired.stage.standby else "pipeline_stage"
+
+
+def _standby_line(spec: StageSpec | None) -> str:
+    """A standby's state: holding nothing, or serving the lost stage the coordinator gave it."""
+    if spec is None or spec.is_standby:
+        return "standby holding no layers"
+    return f"standby serving stage {spec.index}'s layers {spec.start}-{spec.end - 1} (adopted)"
 
 
 class Agent:
@@ -202,7 +217,7 @@ class Agent:
         self.last_reload_error = None
         previous = self.desired
         self.desired, self.context = desired, context
-        role = "coordinator" if desired.coordinator is not None else "pipeline_stage"
+        role = _role(desired)
         wanted = (desired.node_id, context.host.log_level)
         if previous is None or (previous.node_id, self._log_level) != wanted:
             # Journal fields carry the node id and role once they are known.
@@ -249,7 +264,9 @@ class Agent:
         generation = rt.generation or "-"
         if self.last_reconcile_error:
             return f"not converged (generation {generation}): {self.last_reconcile_error}"
-        if rt.stage is not None:
+        if rt.stage is not None and rt.stage.standby:
+            return f"{_standby_line(rt.held_spec())}, config {generation}"
+        if rt.stage is not None and rt.stage.layers is not None:
             r = rt.stage.layers
             return f"stage {rt.stage.stage} serving layers {r.start}-{r.last}, config {generation}"
         if rt.coordinator is not None:

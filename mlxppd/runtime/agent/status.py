@@ -3,6 +3,8 @@
 The document's shape is docs/admin-api.md's; the HTTP layer adds the health badge. Stage cards
 come from each stage's own status report over the pipeline link, so "process alive" means the
 stage answered just now, and "transport connected" that the coordinator's link to it is up.
+Standby nodes get cards of their own: no layers until the coordinator gives one a lost stage's,
+then that stage and its layers (read from the standby's report once it is in the pipeline).
 The same controller serves the agent's coordinator and ``mlxppd serve``'s (``CoordinatorView``
 says where each piece of information comes from).
 """
@@ -10,7 +12,7 @@ says where each piece of information comes from).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from mlxppd.core.agent.elastic import Trigger
@@ -40,6 +42,7 @@ class CoordinatorView:
     last_reload_error: Callable[[], str | None] = lambda: None
     last_error: Callable[[], str | None] = lambda: None
     reload_failures: Callable[[], int] = lambda: 0
+    standbys: Callable[[], Sequence[StageAddress]] = lambda: ()
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -62,7 +65,11 @@ class CoordinatorAdmin:
         else:
             detail = view.last_error() or "the pipeline is connecting"
         driver = view.driver()
-        stages = [_card(i, s, reports.get(s.node_id), live) for i, s in enumerate(view.stages())]
+        # After a failover the chain is no longer the file's: show the one serving.
+        chain = live.chain_nodes() if live is not None else []
+        nodes = [StageAddress(n.id, n.host, n.port) for n in chain] or list(view.stages())
+        stages = [_card(i, s, reports.get(s.node_id), live) for i, s in enumerate(nodes)]
+        standbys = [_standby_card(s, reports.get(s.node_id), live) for s in view.standbys()]
         coordinator = {
             "node_id": view.node_id(),
             "http_address": view.http_address(),
@@ -75,6 +82,7 @@ class CoordinatorAdmin:
             "last_reload_error": view.last_reload_error(),
             "elastic_state": str(driver.state) if driver is not None else "idle",
             "reload_failures": view.reload_failures(),
+            "failovers": [asdict(e) for e in live.failovers] if live is not None else [],
         }
         if driver is not None:
             coordinator["elastic_enabled"] = driver.machine.policy.enabled
@@ -83,7 +91,12 @@ class CoordinatorAdmin:
                 load.model_dump(mode="json") if load is not None else None
                 for load in driver.last_loads
             ]
-        return {"cluster": view.cluster_name(), "coordinator": coordinator, "stages": stages}
+        return {
+            "cluster": view.cluster_name(),
+            "coordinator": coordinator,
+            "stages": stages,
+            "standbys": standbys,
+        }
 
     async def drain(self) -> dict[str, Any]:
         gate = self.view.gate()
@@ -124,17 +137,41 @@ def _card(index: int, stage: StageAddress, report: StageReport | None, live: Any
         "stage": index,
         "node_id": stage.node_id,
         "address": f"{stage.host}:{stage.port}",
+        "role": "pipeline_stage",
         "layers": None,
         "process_alive": report is not None,
         "transport_connected": live is not None and live.link_alive(stage.node_id),
     }
+    return card | _reported(report)
+
+
+def _standby_card(node: StageAddress, report: StageReport | None, live: Any) -> dict[str, Any]:
+    """A standby: no stage and no layers, or the lost stage's once it adopted them. The
+    coordinator links to a standby only once it is in the pipeline, so without a report its
+    process is unknown (null), not dead."""
+    adopted = report.stage if report is not None and report.stage >= 0 else None
+    card: dict[str, Any] = {
+        "stage": adopted,
+        "node_id": node.node_id,
+        "address": f"{node.host}:{node.port}",
+        "role": "standby",
+        "layers": None,
+        "process_alive": True if report is not None else None,
+        "transport_connected": live is not None and live.link_alive(node.node_id),
+    }
+    return card | _reported(report)
+
+
+def _reported(report: StageReport | None) -> dict[str, Any]:
+    """What a stage's own report says (null for all when it did not answer); ``layers`` is
+    null for a node holding none (a standby)."""
+    keys = ("layers", "in_flight", "kv_used_bytes", "kv_budget_bytes", "elastic_state")
+    more = ("config_generation", "last_reload_error", "memory_budget_bytes", "weights", "blas")
     if report is None:
-        unknown = ("in_flight", "kv_used_bytes", "kv_budget_bytes", "elastic_state")
-        more = ("config_generation", "last_reload_error", "memory_budget_bytes", "weights", "blas")
-        return card | dict.fromkeys(unknown + more)
+        return dict.fromkeys(keys + more)
     start, end = report.layers
-    return card | {
-        "layers": f"{start}-{end - 1}",
+    return {
+        "layers": f"{start}-{end - 1}" if end > start else None,
         "in_flight": report.active_sequences,
         "kv_used_bytes": report.kv_used_bytes,
         "kv_budget_bytes": configured_budget(report.kv_budget_bytes),
@@ -167,5 +204,14 @@ def agent_admin(agent: Agent) -> CoordinatorAdmin:
             last_reload_error=lambda: agent.last_reload_error,
             last_error=lambda: agent.last_reconcile_error,
             reload_failures=lambda: agent.reload_failures,
+            standbys=lambda: _standbys(agent),
         )
     )
+
+
+def _standbys(agent: Agent) -> tuple[StageAddress, ...]:
+    """The standby nodes of the configuration in force (none before one loads)."""
+    if agent.context is None:
+        return ()
+    nodes = agent.context.cluster.standby_nodes()
+    return tuple(StageAddress(n.id, n.host, n.port) for n in nodes)

@@ -89,6 +89,21 @@ class PipelineMetrics:
             ["reason"],
             registry=r,
         )
+        self.failovers = Counter(
+            "mlxpp_pp_failovers", "Lost stages, by how the pipeline recovered",
+            ["outcome"], registry=r,
+        )  # fmt: skip
+        self.failover_seconds = Histogram(
+            "mlxpp_pp_failover_recovery_seconds",
+            "From a stage's loss to the new pipeline (or to giving up)",
+            buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300, 600),
+            registry=r,
+        )
+        self.sequences_replayed = Counter(
+            "mlxpp_pp_sequences_replayed",
+            "In-flight sequences prefilled again on a recovered pipeline",
+            registry=r,
+        )
         self._stages: dict[int, _StageHistory] = {}
         self._queue_depth: Callable[[], int] = lambda: 0
         self._active: Callable[[], int] = lambda: 0
@@ -107,6 +122,11 @@ class PipelineMetrics:
         """Where the live gauges read from (the coordinator and its transport)."""
         self._queue_depth, self._active = queue_depth, active
         self._wire, self._rdma_fallbacks = wire, rdma_fallbacks
+
+    def record_failover(self, event: Any) -> None:
+        """One lost stage (a ``runtime.pipeline.failover.FailoverEvent``)."""
+        self.failovers.labels(outcome=event.outcome).inc()
+        self.failover_seconds.observe(event.seconds)
 
     def record_stage_reports(self, now: float, reports: list[StageReport]) -> None:
         """Keep each stage's reports of the last window (and the one just before it)."""

@@ -14,29 +14,23 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import secrets
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
 from mlxppd.core.config.cluster import ClusterConfig, Node
 from mlxppd.core.errors import TemporaryError
-from mlxppd.core.kv_admission import AdmissionDiagnostic, RejectReason
 from mlxppd.core.layer_ranges import LayerRange
 from mlxppd.core.protocol.control import (
     Ack,
-    Admission,
-    Admit,
-    AdmitReply,
     Configure,
-    Reassign,
-    ReassignReply,
-    Release,
-    StageReport,
-    Status,
+    parse_control,
 )
 from mlxppd.core.protocol.pipeline import (
     BatchTokenMeta,
@@ -48,20 +42,23 @@ from mlxppd.core.strict import StrictModel
 from mlxppd.runtime.observability.metrics import PipelineMetrics
 from mlxppd.runtime.observability.trace import TraceBuffer, TraceFile
 from mlxppd.runtime.pipeline.backend import (
-    AdmissionClosed,
-    AdmissionRejected,
     BackendUnavailable,
     Health,
-    RequestRefused,
     SamplingParams,
     SequenceFailed,
     TokenEvent,
 )
 from mlxppd.runtime.pipeline.control_client import BadReplyError, ControlClient
+from mlxppd.runtime.pipeline.failover import (
+    FailoverEvent,
+    FailoverSettings,
+    PipelineInterrupted,
+    Recovery,
+)
 from mlxppd.runtime.pipeline.micro_batcher import MicroBatcher
-from mlxppd.runtime.pipeline.stage_trace import stage_trace_events
-from mlxppd.wire.channel import SecureChannel
-from mlxppd.wire.codec import MessageKind
+from mlxppd.runtime.pipeline.stage_link import StageLink
+from mlxppd.runtime.pipeline.stage_ops import StageOps
+from mlxppd.wire.codec import Message, MessageKind
 from mlxppd.wire.errors import ChannelClosedError, FrameError
 from mlxppd.wire.tasks import spawn, stop_tasks
 from mlxppd.wire.transport import Transport
@@ -73,27 +70,7 @@ REPLY_TIMEOUT_S = 30.0
 ReplyT = TypeVar("ReplyT", bound=StrictModel)
 
 
-@dataclass
-class _StageLink:
-    node: Node
-    channel: SecureChannel
-    control: ControlClient
-    reader: asyncio.Task[None] | None = None
-    alive: bool = True
-
-
-class LayerMoveError(TemporaryError):
-    """Moving the stages to new layer ranges failed; ``refusals`` is (stage, error) per stage
-    that refused. After a refused prepare every stage keeps its old range; after a failed
-    commit (``committed``) a stage is broken, not busy."""
-
-    def __init__(self, message: str, refusals: list[tuple[int, str]], *, committed: bool):
-        super().__init__(message)
-        self.refusals = refusals
-        self.committed = committed
-
-
-class Coordinator:
+class Coordinator(StageOps):
     def __init__(
         self,
         cluster: ClusterConfig,
@@ -107,16 +84,29 @@ class Coordinator:
         metrics: PipelineMetrics | None = None,
         trace_path: Path | None = None,
         plan: tuple[LayerRange, ...] | None = None,
+        failover: FailoverSettings | None = None,
     ) -> None:
         self.cluster = cluster
+        # None: a lost stage fails every open request (as without [cluster.failover]).
+        self.failover = failover
+        self._recovery: asyncio.Task[None] | None = None
+        self._recovered = asyncio.Event()
+        self._recovered.set()
+        self._heartbeat: asyncio.Task[None] | None = None
+        #: every lost stage and what became of it, newest last (status shows them)
+        self.failovers: deque[FailoverEvent] = deque(maxlen=64)
+        self._micro_batch_size = micro_batch_size
+        self._recovering = ""
         # The layer ranges the stages must hold; sent with every admission so a stage that
         # holds others (mid-reload) refuses instead of computing the wrong layers.
         self.plan = plan
+        #: the plan of the cluster file, which a restarted stage holds again
+        self.file_plan = plan
         self.transport = transport
         self._tokenizer = tokenizer
         self._model_id = model_id
         self._connect_timeout_s = connect_timeout_s
-        self._links: list[_StageLink] = []
+        self._links: list[StageLink] = []
         self._queues: dict[str, asyncio.Queue[TokenEvent | Exception]] = {}
         self._seq = itertools.count()
         self._ready = False
@@ -144,25 +134,10 @@ class Coordinator:
 
     async def start(self, *, warmup: bool = True) -> None:
         for node in self.cluster.stage_nodes():
-            channel = await self._connect(node)
-            link = _StageLink(node, channel, ControlClient(channel, REPLY_TIMEOUT_S))
-            link.reader = spawn(self._read(link), name=f"read-{node.id}")
-            self._links.append(link)
-        nodes = [link.node for link in self._links]
-        for i, link in enumerate(self._links):
-            nxt = nodes[i + 1] if i + 1 < len(nodes) else None
-            configure = Configure(
-                next_host=nxt.host if nxt else None,
-                next_port=nxt.port if nxt else None,
-                next_node=nxt.id if nxt else None,
-                trace=self.trace.enabled,
-            )
-            reply = await self._request(link, configure, Ack)
-            if not reply.ok:
-                raise TemporaryError(
-                    f"stage {link.node.id} could not reach stage {nxt.id if nxt else '?'}: "
-                    f"{reply.error}"
-                )
+            self._links.append(await self.open_link(node, self._connect_timeout_s))
+        await self.configure_chain(self._links)
+        if self.failover is not None:
+            self._heartbeat = spawn(self._heartbeats(), name="coordinator-heartbeat")
         if warmup:
             await self.warm()
         self._ready = True
@@ -176,89 +151,66 @@ class Coordinator:
         async for _ in self.generate("warmup", prompt, SamplingParams(max_tokens=2)):
             pass
 
-    async def align_stages(self, timeout_s: float = 600.0) -> bool:
-        """Bring every stage to ``plan`` (after a reconnect, stages may still hold the ranges
-        of an earlier elastic repartition). True when something had to move."""
-        if self.plan is None:
-            return False
-        want = [(r.start, r.end) for r in self.plan]
-        reports = await self.stage_status()
-        if [r.layers for r in reports] == want:
-            return False
-        await self.move_stages(self.plan, timeout_s)
-        return True
-
-    async def move_stages(
-        self, target: tuple[LayerRange, ...], prepare_timeout_s: float
-    ) -> list[ReassignReply]:
-        """The two-phase move to new layer ranges, the one place it is written: every stage
-        prepares its new range beside the old one (loading only the layers it gains), then,
-        only when all are ready, every stage commits; one refusal aborts everywhere. Returns
-        the prepare replies (what each stage loaded); the plan becomes ``target``."""
-        replies = await self.reassign("prepare", target, prepare_timeout_s)
-        refused = [(i, str(r.error)) for i, r in enumerate(replies) if not r.ok]
-        if refused:
-            with contextlib.suppress(BackendUnavailable):
-                await self.reassign("abort", target, 30.0)
-            errors = "; ".join(error for _, error in refused)
-            raise LayerMoveError(
-                f"stages could not load the planned layers: {errors}", refused, committed=False
-            )
-        committed = await self.reassign("commit", target, 60.0)
-        failed = [(i, str(r.error)) for i, r in enumerate(committed) if not r.ok]
-        if failed:
-            # A commit is a pointer swap; failing here means a stage is broken, not busy.
-            raise LayerMoveError(
-                f"a stage failed to switch layers: {failed}", failed, committed=True
-            )
-        self.plan = target
-        return replies
-
-    async def _poll_stages(self, every_s: float = 1.0) -> None:
-        """Stage reports for the metrics: one scrape of the coordinator covers the cluster."""
-        assert self.metrics is not None
-        while self._broken is None:
-            with contextlib.suppress(BackendUnavailable):
-                reports = await self.stage_status()
-                self.metrics.record_stage_reports(time.monotonic(), reports)
-            await asyncio.sleep(every_s)
-
-    def _rdma_fallbacks(self) -> int:
-        state = getattr(self.transport, "state", None)
-        if state is None:
-            return 0
-        return int(state.fallback_reason is not None) + int(state.peer_fallbacks)
-
-    async def flush_trace(self) -> bool:
-        """Merge every node's events into the trace file, once (a second call does nothing)."""
-        if self._trace_file is None or self._trace_file.written:
-            return False
-        events = self.trace.take()
-        for link in self._links:
-            if link.alive:
-                with contextlib.suppress(BackendUnavailable), self._answering(link):
-                    events.extend(await stage_trace_events(link.control))
-        return self._trace_file.flush(events)
-
-    async def _connect(self, node: Node) -> SecureChannel:
-        deadline = asyncio.get_running_loop().time() + self._connect_timeout_s
+    async def open_link(self, node: Node, timeout_s: float = 0.0) -> StageLink:
+        """A link to ``node`` with its reader running; retried for ``timeout_s`` seconds."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
         while True:
             try:
-                return await self.transport.connect(node.host, node.port, expected_peer=node.id)
+                channel = await self.transport.connect(node.host, node.port, expected_peer=node.id)
+                break
             except TemporaryError:
                 if asyncio.get_running_loop().time() > deadline:
                     raise
                 await asyncio.sleep(0.2)
+        link = StageLink(node, channel, ControlClient(channel, REPLY_TIMEOUT_S))
+        link.reader = spawn(self._read(link), name=f"read-{node.id}")
+        return link
 
-    async def close(self) -> None:
-        await stop_tasks(self._poller)
-        await self.flush_trace()
-        self._ready = False
-        for link in self._links:
+    async def drop_links(self, links: list[StageLink]) -> None:
+        """Close ``links``: each stage frees the KV of every sequence this coordinator sent."""
+        for link in links:
+            link.alive = False
             if link.reader is not None:
                 link.reader.cancel()
             await link.channel.close()
-        await stop_tasks(*(link.reader for link in self._links), cancel=False, ignore_errors=True)
+        await stop_tasks(*(link.reader for link in links), cancel=False, ignore_errors=True)
+
+    async def configure_chain(self, links: list[StageLink]) -> None:
+        """Tell each stage where its output goes (and how often to say it is alive)."""
+        f = self.failover
+        for i, link in enumerate(links):
+            nxt = links[i + 1].node if i + 1 < len(links) else None
+            configure = Configure(
+                next_host=nxt.host if nxt else None,
+                next_port=nxt.port if nxt else None,
+                next_node=nxt.id if nxt else None,
+                trace=self.trace.enabled,
+                heartbeat_interval_s=f.heartbeat_interval_s if f else None,
+                heartbeat_timeout_s=f.heartbeat_timeout_s if f else None,
+            )
+            reply = await self.ask(link, configure, Ack)
+            link.configured = True
+            if not reply.ok:
+                raise TemporaryError(
+                    f"stage {link.node.id} could not reach {nxt.id if nxt else '?'}: {reply.error}"
+                )
+
+    def chain_nodes(self) -> list[Node]:
+        """The nodes of the pipeline in stage order (after a failover, not the TOML's)."""
+        return [link.node for link in self._links]
+
+    async def ask(
+        self, link: StageLink, command: StrictModel, reply: type[ReplyT],
+        timeout_s: float = REPLY_TIMEOUT_S,
+    ) -> ReplyT:  # fmt: skip
+        """A request on one link, outside the pipeline's failure handling (recovery uses it)."""
+        return await link.control.ask(command, reply, timeout_s=timeout_s)
+
+    async def close(self) -> None:
+        await stop_tasks(self._poller, self._heartbeat, self._recovery)
+        await self.flush_trace()
+        self._ready = False
+        await self.drop_links(self._links)
         self._links.clear()
 
     # -- GenerationBackend ---------------------------------------------------------------------
@@ -278,60 +230,29 @@ class Coordinator:
         )
         if self._broken is not None:
             return Health(ready=False, detail=self._broken, stages=stages)
+        if not self._recovered.is_set():
+            return Health(ready=False, detail=f"recovering: {self._recovering}", stages=stages)
         if not self._ready:
             return Health(
                 ready=False, detail="starting: connecting and warming stages", stages=stages
             )
         return Health(ready=True, detail="all stages connected", stages=stages)
 
-    async def stage_status(self) -> list[StageReport]:
-        """Each stage's own report (KV use, busy fraction, forwards)."""
-        return [await self._request(link, Status(), StageReport) for link in self._links]
-
-    async def set_stage_admission(self, open_: bool, state: str) -> None:
-        """Open or close admission on every stage (an elastic drain), reporting ``state``."""
-        command = Admission(open=open_, state=state)
-        await asyncio.gather(*(self._request(link, command, Ack) for link in self._links))
-
-    async def reassign(
-        self, phase: Literal["prepare", "commit", "abort"], plan: tuple[LayerRange, ...],
-        timeout_s: float,
-    ) -> list[ReassignReply]:  # fmt: skip
-        """One phase of an elastic resume on every stage; each stage's reply, in stage order."""
-        command = Reassign(phase=phase, plan=[(r.start, r.end) for r in plan])
-        return list(
-            await asyncio.gather(
-                *(self._request(link, command, ReassignReply, timeout_s) for link in self._links)
-            )
-        )
-
     @property
     def connected(self) -> bool:
-        """Every stage link is up (False once one was lost: the pipeline must reconnect)."""
+        """Every stage link is up, or a failover is finding a new pipeline (False once the
+        pipeline is lost for good: whoever runs this coordinator must reconnect)."""
+        if not self._recovered.is_set():
+            return self._broken is None
         return self._broken is None and all(link.alive for link in self._links)
 
     def link_alive(self, node_id: str) -> bool:
         return any(link.alive for link in self._links if link.node.id == node_id)
 
-    async def stage_reports(self) -> dict[str, StageReport | None]:
-        """Each connected stage's report by node id; None for a stage that did not answer."""
-
-        async def one(link: _StageLink) -> StageReport | None:
-            if not link.alive:
-                return None
-            try:
-                return await self._request(link, Status(), StageReport)
-            except BackendUnavailable:
-                return None
-
-        replies = await asyncio.gather(*(one(link) for link in self._links))
-        return {link.node.id: reply for link, reply in zip(self._links, replies, strict=True)}
-
     async def generate(
         self, request_id: str, prompt: list[int], params: SamplingParams
     ) -> AsyncIterator[TokenEvent]:
-        if self._broken is not None:
-            raise BackendUnavailable(f"the pipeline is down: {self._broken}")
+        await self._await_recovery()
         if not prompt:
             raise ValueError("the prompt is empty")
         seq = f"{request_id}.{next(self._seq)}"
@@ -345,7 +266,7 @@ class Coordinator:
         started = last = time.monotonic()
         produced = 0
         try:
-            async for item in self._generate(seq, prompt, params):
+            async for item in self._replayed(seq, prompt, params):
                 now = time.monotonic()
                 if self.metrics is not None:
                     if produced == 0:
@@ -361,10 +282,43 @@ class Coordinator:
             self.active -= 1
             self._slots.release()
 
-    async def _generate(
+    async def _replayed(
         self, seq: str, prompt: list[int], params: SamplingParams
     ) -> AsyncIterator[TokenEvent]:
-        await self._admit(seq, prompt, params)
+        """The sequence's tokens; a stage lost under it pauses it, and once the pipeline is
+        back it is admitted again with prompt + the tokens sent so far, going on from there."""
+        if self.failover is not None and params.temperature > 0 and params.seed is None:
+            # A replay must draw what the first run would have: fix the seed now.
+            params = replace(params, seed=secrets.randbits(64))
+        produced: list[int] = []
+        for attempt in itertools.count():
+            try:
+                async for item in self._generate(
+                    f"{seq}~{attempt}" if attempt else seq, [*prompt, *produced], params,
+                    len(produced),
+                ):  # fmt: skip
+                    produced.append(item.token)
+                    yield item
+                return
+            except PipelineInterrupted:
+                await self._await_recovery()
+                log.info("coordinator: replaying %s from token %d", seq, len(produced))
+                if self.metrics is not None:
+                    self.metrics.sequences_replayed.inc()
+
+    async def _await_recovery(self) -> None:
+        """Wait out a failover in progress; raise when the pipeline is down."""
+        if not self._recovered.is_set():
+            await self._recovered.wait()
+        if self._broken is not None:
+            raise BackendUnavailable(f"the pipeline is down: {self._broken}")
+
+    async def _generate(
+        self, seq: str, prompt: list[int], params: SamplingParams, done: int = 0
+    ) -> AsyncIterator[TokenEvent]:
+        """One run of a sequence whose first ``done`` tokens were sent already (a replay)."""
+        params = replace(params, max_tokens=params.max_tokens - done)
+        await self._admit(seq, prompt, params, first_draw=done)
         queue: asyncio.Queue[TokenEvent | Exception] = asyncio.Queue()
         self._queues[seq] = queue
         try:
@@ -407,49 +361,6 @@ class Coordinator:
     def _eos(self) -> set[int]:
         return set(getattr(self._tokenizer, "eos_token_ids", ()) or ())
 
-    async def _admit(self, seq: str, prompt: list[int], params: SamplingParams) -> None:
-        plan = [(r.start, r.end) for r in self.plan] if self.plan is not None else None
-        for commit in (False, True):
-            command = Admit(
-                seq=seq, prompt_tokens=len(prompt), max_tokens=params.max_tokens, commit=commit,
-                temperature=params.temperature, top_p=params.top_p, seed=params.seed, plan=plan,
-            )  # fmt: skip
-            replies = await asyncio.gather(
-                *(self._request(link, command, AdmitReply) for link in self._links)
-            )
-            refusals = [r.refusal(i) for i, r in enumerate(replies)]
-            refused = [d for d in refusals if d is not None]
-            if refused:
-                if commit:  # another request took the room between dry run and commit
-                    await self._release(seq)
-                diagnostic = refused[0]
-                self._rejected(seq, diagnostic)
-                if diagnostic.reason in (RejectReason.DRAINING, RejectReason.PLAN_MISMATCH):
-                    raise AdmissionClosed(diagnostic.message())
-                if diagnostic.reason is RejectReason.INVALID_REQUEST:
-                    raise RequestRefused(diagnostic.message())
-                raise AdmissionRejected(diagnostic)
-
-    def _rejected(self, seq: str, d: AdmissionDiagnostic) -> None:
-        """An OOM diagnostic: one log line, the counter, a trace event."""
-        log.warning(
-            "admission rejected: %s stage=%d reason=%s required=%d used=%d budget=%d active=%d",
-            seq, d.stage_index, d.reason.value, d.required_bytes, d.used_memory_bytes,
-            d.budget_bytes, d.active_sequences,
-        )  # fmt: skip
-        if self.metrics is not None:
-            self.metrics.rejections.labels(stage=str(d.stage_index), reason=d.reason.value).inc()
-        self.trace.instant(
-            "admission_reject", 0, seq=seq, stage=d.stage_index, reason=d.reason.value,
-            required_bytes=d.required_bytes, available_bytes=d.available_bytes,
-        )  # fmt: skip
-
-    async def _release(self, seq: str) -> None:
-        for link in self._links:
-            if link.alive:
-                with contextlib.suppress(ChannelClosedError, FrameError):
-                    await link.control.tell(Release(seq=seq))
-
     async def _send_input(
         self, seq: str, step: int, tokens: list[int], sample: bool, logprobs: bool
     ) -> None:
@@ -460,7 +371,7 @@ class Coordinator:
             await link.channel.send(MessageKind.ACTIVATION, meta, array)
         except ChannelClosedError as exc:
             self._fail(link, f"stage {link.node.id} is unreachable: {exc}")
-            raise BackendUnavailable(self._broken or str(exc)) from None
+            raise self._lost(str(exc)) from None
 
     async def _send_group(
         self, group: str, seqs: list[str], step: int, tokens: np.ndarray, logprobs: bool
@@ -471,11 +382,11 @@ class Coordinator:
             await link.channel.send(MessageKind.ACTIVATION, meta, tokens)
         except ChannelClosedError as exc:
             self._fail(link, f"stage {link.node.id} is unreachable: {exc}")
-            raise BackendUnavailable(self._broken or str(exc)) from None
+            raise self._lost(str(exc)) from None
 
     async def _request(
         self,
-        link: _StageLink,
+        link: StageLink,
         command: StrictModel,
         reply: type[ReplyT],
         timeout_s: float = REPLY_TIMEOUT_S,
@@ -484,43 +395,60 @@ class Coordinator:
             return await link.control.ask(command, reply, timeout_s=timeout_s)
 
     @contextlib.contextmanager
-    def _answering(self, link: _StageLink) -> Iterator[None]:
+    def _answering(self, link: StageLink) -> Iterator[None]:
         """A stage that does not answer, or answers nonsense, breaks the pipeline."""
         try:
             yield
         except (ChannelClosedError, TimeoutError, BadReplyError) as exc:
             self._fail(link, f"stage {link.node.id} did not answer: {exc or 'timeout'}")
-            raise BackendUnavailable(self._broken or "a stage did not answer") from None
+            raise self._lost("a stage did not answer") from None
 
-    async def _read(self, link: _StageLink) -> None:
+    async def _read(self, link: StageLink) -> None:
+        # A stage in the chain that says nothing (not even a heartbeat) for the timeout is a
+        # lost one; before its configure it sends no heartbeats (a recovery's new links).
+        beats = self.failover.heartbeat_timeout_s if self.failover is not None else None
         try:
-            async for message in link.channel:
-                if message.kind is MessageKind.REPLY:
-                    link.control.deliver(message)
-                elif (
-                    message.kind is MessageKind.TOKENS
-                    and message.tensor is not None
-                    and "group" in message.meta
-                    and self._batcher is not None
-                ):
-                    batch = BatchTokenMeta.model_validate(dict(message.meta))
-                    tokens = np.frombuffer(message.tensor.data, dtype=np.int32).tolist()
-                    self._batcher.on_tokens(batch.group, batch.seqs, tokens, batch.logprobs)
-                elif message.kind is MessageKind.ERROR:
-                    self._failed(link, message.meta)
-                elif message.kind is MessageKind.TOKENS and message.tensor is not None:
-                    meta = TokenMeta.model_validate(dict(message.meta))
-                    token = int(np.frombuffer(message.tensor.data, dtype=np.int32)[0])
-                    queue = self._queues.get(meta.seq)
-                    if queue is not None:
-                        queue.put_nowait(TokenEvent(token=token, logprob=meta.logprob))
-            self._fail(link, f"stage {link.node.id} closed its connection")
-        except (ChannelClosedError, FrameError) as exc:
+            while True:
+                timeout = beats if link.configured else None
+                try:
+                    async with asyncio.timeout(timeout):
+                        message = await link.channel.recv()
+                except TimeoutError:
+                    self._fail(link, f"stage {link.node.id} sent nothing for {timeout:g} s")
+                    return
+                self._dispatch(link, message)
+        except ChannelClosedError as exc:
+            closed = "closed its connection" if exc.clean else f"was lost: {exc}"
+            self._fail(link, f"stage {link.node.id} {closed}")
+        except FrameError as exc:
             self._fail(link, f"lost stage {link.node.id}: {exc}")
         except Exception as exc:
             self._fail(link, f"bad message from stage {link.node.id}: {exc}")
 
-    def _failed(self, link: _StageLink, meta: Any) -> None:
+    def _dispatch(self, link: StageLink, message: Message) -> None:
+        if message.kind is MessageKind.REPLY:
+            link.control.deliver(message)
+        elif (
+            message.kind is MessageKind.TOKENS
+            and message.tensor is not None
+            and "group" in message.meta
+            and self._batcher is not None
+        ):
+            batch = BatchTokenMeta.model_validate(dict(message.meta))
+            tokens = np.frombuffer(message.tensor.data, dtype=np.int32).tolist()
+            self._batcher.on_tokens(batch.group, batch.seqs, tokens, batch.logprobs)
+        elif message.kind is MessageKind.ERROR:
+            self._failed(link, message.meta)
+        elif message.kind is MessageKind.TOKENS and message.tensor is not None:
+            meta = TokenMeta.model_validate(dict(message.meta))
+            token = int(np.frombuffer(message.tensor.data, dtype=np.int32)[0])
+            queue = self._queues.get(meta.seq)
+            if queue is not None:
+                queue.put_nowait(TokenEvent(token=token, logprob=meta.logprob))
+        elif message.kind is MessageKind.CONTROL:
+            parse_control(message.meta)  # a heartbeat: receiving it was the point
+
+    def _failed(self, link: StageLink, meta: Any) -> None:
         """A stage could not compute some sequences: their requests fail, nothing else."""
         if "group" in meta:
             group = GroupFailure.model_validate(dict(meta))
@@ -534,16 +462,65 @@ class Coordinator:
                 SequenceFailed(f"stage {failure.stage} failed on this request: {failure.message}")
             )
 
-    def _fail(self, link: _StageLink, reason: str) -> None:
+    def _fail(self, link: StageLink, reason: str) -> None:
         if not link.alive:
             return
         link.alive = False
+        link.control.fail(BackendUnavailable(reason))
+        if link not in self._links or not self._recovered.is_set():
+            return  # a link of a recovery in progress, or one it is replacing
+        if self.failover is not None and self._ready and self._broken is None:
+            self._begin_recovery(link, reason)
+            return
         if self._broken is None:
             self._broken = reason
             log.error("coordinator: %s; failing %d open requests", reason, len(self._queues))
         for queue in self._queues.values():
             queue.put_nowait(BackendUnavailable(reason))
         if self._batcher is not None:
-            self._batcher.fail(reason)
+            self._batcher.fail(BackendUnavailable(reason))
         for each in self._links:
             each.control.fail(BackendUnavailable(reason))
+
+    def _lost(self, reason: str) -> Exception:
+        """What a request sees when a link fails under it: a pause, or the end."""
+        if not self._recovered.is_set():
+            return PipelineInterrupted(reason)
+        return BackendUnavailable(self._broken or reason)
+
+    def _begin_recovery(self, link: StageLink, reason: str) -> None:
+        lost = self._links.index(link)
+        self._recovering = f"lost stage {lost} ({link.node.id}): {reason}"
+        log.error("coordinator: %s; %d sequences wait for a new pipeline", self._recovering,
+                  len(self._queues))  # fmt: skip
+        self._recovered.clear()
+        interrupted = PipelineInterrupted(self._recovering)
+        for queue in self._queues.values():
+            queue.put_nowait(interrupted)
+        if self._batcher is not None:
+            self._batcher.fail(interrupted)
+        for each in self._links:
+            each.control.fail(interrupted)
+        self._recovery = spawn(self._recover(lost, reason, len(self._queues)), name="failover")
+
+    async def _recover(self, lost: int, reason: str, waiting: int) -> None:
+        assert self.failover is not None
+        node = self._links[lost].node
+        recovery = Recovery(self, self.failover, lost)
+        await self.drop_links(self._links)
+        event, new = await recovery.attempt(reason, waiting)
+        if new is not None:
+            self.install(new.links, new.plan)
+        else:
+            self._broken = f"lost stage {lost} ({node.id}): {reason}; {event.detail}"
+            self._recovery = spawn(recovery.until_back(), name="failover-retry")
+        self.failovers.append(event)
+        if self.metrics is not None:
+            self.metrics.record_failover(event)
+        self._recovered.set()
+
+    def install(self, links: list[StageLink], plan: tuple[LayerRange, ...] | None) -> None:
+        """Serve on a new pipeline (after a recovery): its links and the plan they hold."""
+        self._links, self.plan, self._broken = links, plan, None
+        if self._batcher is not None:  # the old groups' caches went with the old pipeline
+            self._batcher = MicroBatcher(self._micro_batch_size, self._send_group)

@@ -40,9 +40,10 @@ from mlxppd.core.profile.model import ModelProfile
 from mlxppd.core.protocol.control import LayerLoad
 from mlxppd.runtime.observability.metrics import PipelineMetrics
 from mlxppd.runtime.pipeline.backend import BackendUnavailable
-from mlxppd.runtime.pipeline.coordinator import Coordinator, LayerMoveError
+from mlxppd.runtime.pipeline.coordinator import Coordinator
 from mlxppd.runtime.pipeline.gated_backend import GatedBackend
 from mlxppd.runtime.pipeline.stage_loader import configured_budget
+from mlxppd.runtime.pipeline.stage_ops import LayerMoveError
 from mlxppd.wire.tasks import spawn, stop_tasks
 
 log = logging.getLogger("mlxppd.elastic")

@@ -44,13 +44,13 @@ class MicroBatcher:
         self._groups: dict[str, _Group] = {}
         self._group_of: dict[str, str] = {}
         self._ids = itertools.count()
-        self._broken: str | None = None
+        self._broken: Exception | None = None
 
     def submit(self, seq: str, token: int, logprobs: bool) -> asyncio.Future[TokenEvent]:
         """Queue ``token`` as the sequence's next input; the future gets the sampled token."""
         future: asyncio.Future[TokenEvent] = asyncio.get_running_loop().create_future()
         if self._broken is not None:
-            future.set_exception(BackendUnavailable(self._broken))
+            future.set_exception(self._broken)
             return future
         group = self._groups.get(self._group_of.get(seq, ""))
         if group is None:
@@ -109,12 +109,13 @@ class MicroBatcher:
             if not future.done():
                 future.set_exception(SequenceFailed(f"micro-batch failed: {reason}"))
 
-    def fail(self, reason: str) -> None:
-        self._broken = reason
+    def fail(self, error: Exception) -> None:
+        """The pipeline is gone: every waiting step gets ``error``, and so does every later one."""
+        self._broken = error
         for group in self._groups.values():
             for future in group.waiting.values():
                 if not future.done():
-                    future.set_exception(BackendUnavailable(reason))
+                    future.set_exception(error)
             group.waiting.clear()
 
     def _place(self, seq: str) -> _Group:
@@ -150,4 +151,6 @@ class MicroBatcher:
 
     def _sent(self, task: asyncio.Future[None], group: _Group) -> None:
         if not task.cancelled() and task.exception() is not None:
-            self.fail(f"sending micro-batch {group.gid} failed: {task.exception()}")
+            self.fail(
+                BackendUnavailable(f"sending micro-batch {group.gid} failed: {task.exception()}")
+            )

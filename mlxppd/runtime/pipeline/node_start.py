@@ -20,8 +20,10 @@ from mlxppd.core.cpu_weights import CpuWeights
 from mlxppd.core.layer_ranges import LayerRange
 from mlxppd.core.protocol.control import StageExtras
 from mlxppd.core.stages import StageSpec
+from mlxppd.engine.stage_runner import StageRunner
 from mlxppd.runtime.observability.metrics import PipelineMetrics
 from mlxppd.runtime.pipeline.coordinator import Coordinator
+from mlxppd.runtime.pipeline.failover import FailoverSettings, survivors_replan
 from mlxppd.runtime.pipeline.stage_loader import layer_preparer, load_stage_runner, stage_kv_manager
 from mlxppd.runtime.pipeline.stage_worker import StageWorker
 from mlxppd.runtime.system.mlx_thread import MlxThread
@@ -60,9 +62,12 @@ async def start_stage_worker(
     """Load the stage's layers, listen on its address; returns the worker and where it listens."""
     raise_open_file_limit()  # a stage port must not run out of descriptors before the hard limit
     spec = setup.spec
-    runner, per_token = await load_stage_runner(
-        mlx, setup.model_dir, spec, setup.model_config, weights=setup.cpu_weights
-    )
+    runner: StageRunner | None = None
+    per_token = 0
+    if not spec.is_standby:  # a standby loads a lost stage's layers when it adopts them
+        runner, per_token = await load_stage_runner(
+            mlx, setup.model_dir, spec, setup.model_config, weights=setup.cpu_weights
+        )
     kv = stage_kv_manager(spec, per_token, setup.kv_budget_bytes, setup.max_sequences)
     transport = create_transport(
         setup.transport, wire_config_for(setup.cluster, setup.node_id, setup.secret)
@@ -77,11 +82,14 @@ async def start_stage_worker(
     )
     worker = StageWorker(spec, runner, kv, transport, mlx, extras=extras, prepare_layers=prepare)
     address = await worker.start(setup.host, setup.port)
-    log.info(
-        "stage %d (%s) serving layers %d-%d on %s:%d, %.1f MB of parameters",
-        spec.index, setup.node_id, spec.start, spec.end - 1, *address,
-        runner.stage.parameter_bytes / 1e6,
-    )  # fmt: skip
+    if runner is None:
+        log.info("standby %s listening on %s:%d, holding no layers", setup.node_id, *address)
+    else:
+        log.info(
+            "stage %d (%s) serving layers %d-%d on %s:%d, %.1f MB of parameters",
+            spec.index, setup.node_id, spec.start, spec.end - 1, *address,
+            runner.stage.parameter_bytes / 1e6,
+        )  # fmt: skip
     return worker, address
 
 
@@ -102,6 +110,8 @@ class CoordinatorSetup:
     """move stages that hold other ranges (an earlier repartition's) back to ``plan``"""
     trace_path: Path | None = None
     connect_timeout_s: float = 60.0
+    model_config: dict[str, Any] | None = None
+    """the model's config.json: with it, a lost stage's layers may go to the survivors"""
 
 
 async def start_pipeline_coordinator(
@@ -125,6 +135,10 @@ async def start_pipeline_coordinator(
         metrics=metrics,
         trace_path=setup.trace_path,
         plan=setup.plan,
+        failover=FailoverSettings.from_policy(
+            setup.cluster.cluster.failover,
+            survivors_replan(setup.model_config) if setup.model_config is not None else None,
+        ),
     )
     try:
         await coordinator.start(warmup=False)

@@ -65,11 +65,13 @@ def layer_preparer(
     budget_bytes: int | None,
     max_sequences: int,
     weights: CpuWeights = CpuWeights.AUTO,
-) -> Callable[[StageSpec, StageRunner], Awaitable[tuple[StageRunner, StageKvManager, LayerLoad]]]:
+) -> Callable[
+    [StageSpec, StageRunner | None], Awaitable[tuple[StageRunner, StageKvManager, LayerLoad]]
+]:
     """The stage worker's ``prepare_layers``: new layers beside the old, reusing what it can."""
 
     async def prepare(
-        spec: StageSpec, current: StageRunner
+        spec: StageSpec, current: StageRunner | None
     ) -> tuple[StageRunner, StageKvManager, LayerLoad]:
         started = time.monotonic()
         runner, per_token = await load_stage_runner(

@@ -1,13 +1,16 @@
-"""What a stage worker's compute loop is given to do, in arrival order, and what it hands its
-sender task."""
+"""A stage worker's parts that its control plane shares: the compute loop's work items (in
+arrival order), the sender task's output, the counters, and the hooks the node supplies."""
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from mlxppd.core.kv_admission import StageKvManager
+from mlxppd.core.protocol.control import LayerLoad, StageExtras
 from mlxppd.core.protocol.pipeline import (
     BatchForwardMeta,
     BatchTokenMeta,
@@ -57,3 +60,23 @@ OutMeta = (
 )
 #: a result for the sender task: kind, metadata, tensor
 Output = tuple[MessageKind, OutMeta, Any]
+
+
+#: loads a stage's new layers, reusing what the current runner holds: (runner, kv, what it read)
+PrepareLayers = Callable[
+    [StageSpec, StageRunner | None], Awaitable[tuple[StageRunner, StageKvManager, LayerLoad]]
+]
+#: what the agent adds to each status report (config generation, reload error, ...)
+ExtrasSource = Callable[[], StageExtras]
+
+
+@dataclass
+class StageStats:
+    forwards: int = 0
+    busy_s: float = 0.0
+    started: float = field(default_factory=time.monotonic)
+    protocol_errors: int = 0
+    batched_passes: int = 0
+    batched_rows: int = 0
+    #: sequences whose forward or sampler failed here (each failed its request alone)
+    sequence_failures: int = 0

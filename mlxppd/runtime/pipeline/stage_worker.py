@@ -9,22 +9,16 @@ carries control commands; on the last stage it also carries the sampled tokens b
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 from pydantic import ValidationError
 
 from mlxppd.core.kv_admission import (
-    AdmissionDiagnostic,
-    AdmissionRequest,
-    RejectReason,
     StageKvManager,
 )
 from mlxppd.core.log_text import escape
@@ -32,20 +26,14 @@ from mlxppd.core.protocol.control import (
     Ack,
     Admission,
     Admit,
-    AdmitRefusal,
-    AdmitReply,
     Configure,
-    LatencyReport,
-    LayerLoad,
+    Heartbeat,
     Reassign,
-    ReassignReply,
     Release,
     StageExtras,
-    StageReport,
     Status,
     TraceDump,
     TraceReply,
-    WireCounters,
     clip,
     parse_control,
 )
@@ -59,18 +47,19 @@ from mlxppd.core.protocol.pipeline import (
 )
 from mlxppd.core.stage_accounting import ActivityClock, LatencyHistogram
 from mlxppd.core.stages import StageSpec
-from mlxppd.core.strict import StrictModel
-from mlxppd.engine.blas import blas_in_use
-from mlxppd.engine.sampling import make_sampler
 from mlxppd.engine.stage_runner import StageRunner
 from mlxppd.engine.wire_tensors import from_wire, to_wire
 from mlxppd.runtime.observability.trace import TraceBuffer, now_us
+from mlxppd.runtime.pipeline.stage_control import ProtocolViolation, StageControl, send_reply
 from mlxppd.runtime.pipeline.stage_work import (
+    ExtrasSource,
     ForwardWork,
     GroupWork,
     Output,
+    PrepareLayers,
     ReleaseAllWork,
     ReleaseWork,
+    StageStats,
     SwapWork,
     Work,
 )
@@ -83,35 +72,12 @@ from mlxppd.wire.transport import Listener, Transport
 
 log = logging.getLogger("mlxppd.stage")
 
-#: loads a stage's new layers, reusing what the current runner holds: (runner, kv, what it read)
-PrepareLayers = Callable[
-    [StageSpec, StageRunner], Awaitable[tuple[StageRunner, StageKvManager, LayerLoad]]
-]
-#: what the agent adds to each status report (config generation, reload error, ...)
-ExtrasSource = Callable[[], StageExtras]
 
-
-class ProtocolViolation(Exception):
-    """A message that authenticated fine but makes no sense here."""
-
-
-@dataclass
-class StageStats:
-    forwards: int = 0
-    busy_s: float = 0.0
-    started: float = field(default_factory=time.monotonic)
-    protocol_errors: int = 0
-    batched_passes: int = 0
-    batched_rows: int = 0
-    #: sequences whose forward or sampler failed here (each failed its request alone)
-    sequence_failures: int = 0
-
-
-class StageWorker:
+class StageWorker(StageControl):
     def __init__(
         self,
         spec: StageSpec,
-        runner: StageRunner,
+        runner: StageRunner | None,
         kv: StageKvManager,
         transport: Transport,
         mlx: MlxThread,
@@ -144,6 +110,10 @@ class StageWorker:
         self.elastic_state = "idle"
         # Sequences that failed here: their queued inputs are skipped until released.
         self._failed: set[str] = set()
+        # Set by the coordinator's Configure: how often to say "alive", how long its silence
+        # may last before it counts as lost (None: no heartbeats).
+        self._heartbeat_interval_s: float | None = None
+        self._heartbeat_timeout_s: float | None = None
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
         self._loops = [
@@ -205,7 +175,7 @@ class StageWorker:
 
     async def _serve(self, channel: SecureChannel) -> None:
         try:
-            async for message in channel:
+            while (message := await self._receive(channel)) is not None:
                 await self._dispatch(channel, message)
         except (ChannelClosedError, FrameError) as exc:
             log.info("stage %d: channel %s closed: %s", self.spec.index, channel.peer_address, exc)
@@ -221,9 +191,31 @@ class StageWorker:
         finally:
             await channel.close()
             if channel is self._coordinator:
-                # The coordinator is gone: nobody will release its sequences.
+                # The coordinator is gone: nobody will release its sequences. The accounting
+                # frees at once (a new coordinator's admissions and layer moves see it empty);
+                # the caches go in order on the compute loop.
                 self._coordinator = None
+                self._release_accounting()
                 await self._work.put(ReleaseAllWork())
+
+    async def _receive(self, channel: SecureChannel) -> Message | None:
+        """The next message; None when the peer said goodbye, or when it is the coordinator
+        and it stayed silent past its heartbeat timeout (a hung or cut-off coordinator is a
+        lost one: the caller frees its sequences)."""
+        timeout = self._heartbeat_timeout_s if channel is self._coordinator else None
+        try:
+            async with asyncio.timeout(timeout):
+                return await channel.recv()
+        except TimeoutError:
+            log.warning(
+                "stage %d: no word from the coordinator at %s for %.1f s; dropping it and its "
+                "sequences", self.spec.index, channel.peer_address, timeout,
+            )  # fmt: skip
+            return None
+        except ChannelClosedError as exc:
+            if exc.clean:
+                return None
+            raise
 
     async def _dispatch(self, channel: SecureChannel, message: Message) -> None:
         if message.kind is MessageKind.ACTIVATION:
@@ -241,155 +233,32 @@ class StageWorker:
         # One parse: an unknown op or field is a ValidationError, counted by ``_serve``.
         command = parse_control(message.meta)
         if isinstance(command, Configure):
-            await _reply(channel, await self._configure(channel, command))
+            await send_reply(channel, await self._configure(channel, command))
         elif isinstance(command, Admit):
-            await _reply(channel, self._admit(command))
+            await send_reply(channel, self._admit(command))
         elif isinstance(command, Release):
             await self._work.put(ReleaseWork(command.seq))
         elif isinstance(command, Status):
-            await _reply(channel, self.status(command.rid))
+            await send_reply(channel, self.status(command.rid))
         elif isinstance(command, Admission):
             self.admitting = command.open
             self.elastic_state = command.state
-            await _reply(channel, Ack(rid=command.rid))
+            await send_reply(channel, Ack(rid=command.rid))
         elif isinstance(command, Reassign):
             # Loading takes long; this channel keeps answering status meanwhile.
             self._side_tasks.spawn(self._reassign(channel, command), name="stage-reassign")
+        elif isinstance(command, Heartbeat):
+            pass  # receiving it was the point: the deadline in _receive starts again
         elif isinstance(command, TraceDump):
             # Events can be many: they travel as a JSON byte tensor, not as metadata.
             payload = np.frombuffer(json.dumps(self.trace.take()).encode(), dtype=np.uint8)
-            await _reply(channel, TraceReply(rid=command.rid), payload)
+            await send_reply(channel, TraceReply(rid=command.rid), payload)
 
     def _arrived(self, sent_at: float | None, message: Message) -> None:
         nbytes = message.tensor.nbytes if message.tensor is not None else 0
         if sent_at is not None:
             self.latency.observe(time.time() - sent_at)
         self.trace.instant("activation_recv", self.spec.index, bytes=nbytes, direction="recv")
-
-    async def _configure(self, channel: SecureChannel, command: Configure) -> Ack:
-        self._coordinator = channel
-        self.trace.enabled = command.trace
-        if command.next_host is None or command.next_port is None:
-            self._downstream = channel
-            return Ack(rid=command.rid)
-        try:
-            if self._downstream is not None:
-                await self._downstream.close()
-            self._downstream = await self.transport.connect(
-                command.next_host, command.next_port, expected_peer=command.next_node
-            )
-        except Exception as exc:  # reported to the coordinator, which gives up cleanly
-            return Ack(rid=command.rid, ok=False, error=clip(str(exc)))
-        return Ack(rid=command.rid)
-
-    def _admit(self, command: Admit) -> AdmitReply:
-        request = AdmissionRequest(command.seq, command.prompt_tokens, command.max_tokens)
-        problem = (
-            self._closed_reason(command)
-            or self.kv.dry_run(request)
-            or self._sampling_refused(command)
-        )
-        if problem is None and command.commit:
-            self.kv.commit(request)
-            self.clock.set_active(len(self.kv.reserved), time.monotonic())
-        if problem is None:
-            return AdmitReply(rid=command.rid, ok=True)
-        return AdmitReply(rid=command.rid, ok=False, diagnostic=AdmitRefusal.of(problem))
-
-    async def _reassign(self, channel: SecureChannel, command: Reassign) -> None:
-        reply = ReassignReply(rid=command.rid)
-        try:
-            if command.phase == "prepare":
-                load = await self._prepare(command.plan)
-                reply = ReassignReply(rid=command.rid, **load.model_dump())
-            elif command.phase == "commit":
-                if self._staged is None:
-                    raise ProtocolViolation("commit without a prepared plan")
-                spec, runner, kv = self._staged
-                self._staged = None
-                # The KV budget belongs to the node, not to its layers: the one in force now
-                # (a reload may have changed it since this stage started) carries over.
-                kv.budget_bytes = self.kv.budget_bytes
-                await self.swap(spec, runner, kv)
-                self.elastic_state = "idle"
-            else:
-                self._staged = None
-                self.elastic_state = "idle"
-        except Exception as exc:  # reported to the coordinator, which aborts everywhere
-            self._staged = None
-            error = clip(str(exc) or type(exc).__name__)
-            reply = ReassignReply(rid=command.rid, ok=False, error=error)
-        with contextlib.suppress(ChannelClosedError):
-            await _reply(channel, reply)
-
-    async def _prepare(self, plan: list[tuple[int, int]]) -> LayerLoad:
-        if self._prepare_layers is None:
-            raise ProtocolViolation("this stage cannot change its layers")
-        if len(plan) != self.spec.num_stages:
-            raise ProtocolViolation(f"a plan of {len(plan)} stages for {self.spec.num_stages}")
-        if self.kv.reserved:
-            raise ProtocolViolation(f"{len(self.kv.reserved)} sequences still hold KV here")
-        start, end = plan[self.spec.index]
-        spec = StageSpec(self.spec.index, self.spec.num_stages, start, end)
-        self.elastic_state = "resuming"
-        runner, kv, load = await self._prepare_layers(spec, self.runner)
-        self._staged = (spec, runner, kv)
-        return load
-
-    def _closed_reason(self, command: Admit) -> AdmissionDiagnostic | None:
-        if not self.admitting:
-            return self.kv.refusal(RejectReason.DRAINING)
-        if command.plan is not None and not self.spec.matches(command.plan):
-            return self.kv.refusal(RejectReason.PLAN_MISMATCH)
-        return None
-
-    def _sampling_refused(self, command: Admit) -> AdmissionDiagnostic | None:
-        """The last stage makes the sequence's sampler here (dry run included), so parameters
-        it cannot serve refuse this one request instead of failing later on the mlx thread."""
-        if not self.spec.has_lm_head:
-            return None
-        try:
-            sampler = make_sampler(command.temperature, command.top_p, command.seed)
-        except Exception as exc:
-            log.warning("stage %d: refusing %s: %s", self.spec.index, escape(command.seq), exc)
-            return self.kv.refusal(RejectReason.INVALID_REQUEST)
-        if command.commit:
-            self.runner.set_sampler(command.seq, sampler)
-        return None
-
-    def status(self, rid: int = 0) -> StageReport:
-        """This stage's report (the reply to a status command), with the agent's extras."""
-        elapsed = max(time.monotonic() - self.stats.started, 1e-9)
-        clock = self.clock.snapshot(time.monotonic())
-        h = self.latency
-        return StageReport(
-            **self._extras().model_dump(),
-            rid=rid,
-            stage=self.spec.index,
-            layers=(self.spec.start, self.spec.end),
-            parameter_bytes=self.runner.stage.parameter_bytes,
-            weights=str(self.runner.stage.weights),
-            blas=clip(str(blas_in_use())),
-            kv_used_bytes=self.kv.used_bytes,
-            kv_budget_bytes=self.kv.budget_bytes,
-            active_sequences=len(self.kv.reserved),
-            forwards=self.stats.forwards,
-            busy_fraction=min(1.0, self.stats.busy_s / elapsed),
-            protocol_errors=self.stats.protocol_errors,
-            batched_passes=self.stats.batched_passes,
-            batched_rows=self.stats.batched_rows,
-            busy_s=clock["busy_s"],
-            active_s=clock["active_s"],
-            wall_s=clock["wall_s"],
-            activation_latency=LatencyReport(
-                counts=list(h.counts), sum=h.total, count=h.count, max=h.max
-            ),
-            wire=WireCounters.model_validate(self.transport.stats.snapshot()),
-            trace_dropped=self.trace.dropped,
-            admission="open" if self.admitting else "draining",
-            elastic_state=self.elastic_state,
-            now=time.time(),
-        )
 
     # -- compute and send ----------------------------------------------------------------------
 
@@ -404,13 +273,14 @@ class StageWorker:
                 self._failed.discard(item.seq)
                 self.kv.release(item.seq)
                 self.clock.set_active(len(self.kv.reserved), time.monotonic())
-                await self.mlx.run(functools.partial(self.runner.release, item.seq))
+                await self._release_here(item.seq)
             elif isinstance(item, ReleaseAllWork):
                 self._failed.clear()
                 for held in list(self.kv.reserved):
                     self.kv.release(held)
                 self.clock.set_active(0, time.monotonic())
-                await self.mlx.run(self.runner.release_all)
+                if self.runner is not None:
+                    await self.mlx.run(self.runner.release_all)
             elif isinstance(item, SwapWork):
                 self.spec, self.runner, self.kv = item.spec, item.runner, item.kv
                 self.clock.set_active(len(item.kv.reserved), time.monotonic())
@@ -432,8 +302,8 @@ class StageWorker:
         def run() -> Any:
             x = from_wire(tensor)
             if sample:
-                return self.runner.forward_and_sample(meta.seq, x, meta.logprobs)
-            return to_wire(self.runner.forward(meta.seq, x))
+                return self._layers().forward_and_sample(meta.seq, x, meta.logprobs)
+            return to_wire(self._layers().forward(meta.seq, x))
 
         start_us = now_us()
         try:
@@ -452,11 +322,25 @@ class StageWorker:
             return
         await self._out.put((MessageKind.ACTIVATION, meta, result))
 
+    def _release_accounting(self) -> None:
+        for held in list(self.kv.reserved):
+            self.kv.release(held)
+        self.clock.set_active(0, time.monotonic())
+
+    def _layers(self) -> StageRunner:
+        if self.runner is None:
+            raise ProtocolViolation("this node is a standby: it serves no layers yet")
+        return self.runner
+
+    async def _release_here(self, seq: str) -> None:
+        if self.runner is not None:
+            await self.mlx.run(functools.partial(self.runner.release, seq))
+
     async def _sequence_failed(self, seq: str, exc: Exception) -> None:
         self.stats.sequence_failures += 1
         log.error("stage %d: sequence %s failed: %s", self.spec.index, escape(seq), exc)
         self._failed.add(seq)
-        await self.mlx.run(functools.partial(self.runner.release, seq))
+        await self._release_here(seq)
         failure = SequenceFailure(seq=seq, stage=self.spec.index, message=clip(str(exc), 1000))
         await self._out.put((MessageKind.ERROR, failure, None))
 
@@ -469,8 +353,10 @@ class StageWorker:
             if x.shape[0] != len(meta.seqs):
                 raise ValueError(f"{x.shape[0]} rows for {len(meta.seqs)} sequences")
             if last:
-                return self.runner.forward_group_and_sample(meta.group, meta.seqs, x, meta.logprobs)
-            return to_wire(self.runner.forward_group(meta.group, meta.seqs, x))
+                return self._layers().forward_group_and_sample(
+                    meta.group, meta.seqs, x, meta.logprobs
+                )
+            return to_wire(self._layers().forward_group(meta.group, meta.seqs, x))
 
         start_us = now_us()
         try:
@@ -480,7 +366,7 @@ class StageWorker:
             # drop its state and tell the coordinator, which fails its requests cleanly.
             log.error("stage %d: micro-batch %s failed: %s", self.spec.index, meta.group, exc)
             for seq in meta.seqs:
-                await self.mlx.run(functools.partial(self.runner.release, seq))
+                await self._release_here(seq)
             error = GroupFailure(group=meta.group, seqs=meta.seqs, message=clip(str(exc), 1000))
             await self._out.put((MessageKind.ERROR, error, None))
             return
@@ -517,8 +403,9 @@ class StageWorker:
                 await target.send(kind, meta.model_dump(), tensor)
             except ChannelClosedError as exc:
                 log.error("stage %d: sending %s failed: %s", self.spec.index, kind.name, exc)
-
-
-async def _reply(channel: SecureChannel, reply: StrictModel, payload: Any = None) -> None:
-    """A REPLY whose metadata is exactly ``reply``'s fields."""
-    await channel.send(MessageKind.REPLY, reply.model_dump(mode="json"), payload)
+                coordinator = self._coordinator
+                if target is self._downstream and coordinator is not None:
+                    # The next stage is unreachable from here: the sequences in flight cannot
+                    # go on. Dropping the coordinator's link starts its failover, which
+                    # rebuilds the chain (and this stage's link to whoever is next).
+                    await coordinator.close()

@@ -1,0 +1,248 @@
+"""A stage worker's control plane: what it does for the coordinator's commands.
+
+Configure (where output goes, heartbeats), KV admission with the sampler made at admission,
+the two phases of a layer move (a repartition, a standby adopting a lost stage, survivors
+closing a gap), and the status report. A mixin of ``StageWorker`` (``stage_worker.py``), which
+holds the state and runs the data plane; kept apart so each file holds one concern.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+from mlxppd.core.kv_admission import (
+    AdmissionDiagnostic,
+    AdmissionRequest,
+    RejectReason,
+    StageKvManager,
+)
+from mlxppd.core.log_text import escape
+from mlxppd.core.protocol.control import (
+    Ack,
+    Admit,
+    AdmitRefusal,
+    AdmitReply,
+    Configure,
+    Heartbeat,
+    LatencyReport,
+    LayerLoad,
+    Reassign,
+    ReassignReply,
+    StageReport,
+    WireCounters,
+    clip,
+)
+from mlxppd.core.stage_accounting import ActivityClock, LatencyHistogram
+from mlxppd.core.stages import StageSpec
+from mlxppd.core.strict import StrictModel
+from mlxppd.engine.blas import blas_in_use
+from mlxppd.engine.sampling import make_sampler
+from mlxppd.engine.stage_runner import StageRunner
+from mlxppd.runtime.observability.trace import TraceBuffer
+from mlxppd.runtime.pipeline.stage_work import PrepareLayers, ReleaseAllWork, StageStats, Work
+from mlxppd.wire.channel import SecureChannel
+from mlxppd.wire.codec import MessageKind
+from mlxppd.wire.errors import ChannelClosedError
+from mlxppd.wire.tasks import TaskSet
+from mlxppd.wire.transport import Transport
+
+log = logging.getLogger("mlxppd.stage")
+
+
+class ProtocolViolation(Exception):
+    """A message that authenticated fine but makes no sense here."""
+
+
+async def send_reply(channel: SecureChannel, answer: StrictModel, payload: Any = None) -> None:
+    """A REPLY whose metadata is exactly ``answer``'s fields."""
+    await channel.send(MessageKind.REPLY, answer.model_dump(mode="json"), payload)
+
+
+class StageControl:
+    """The coordinator's commands on a stage (mixed into ``StageWorker``)."""
+
+    spec: StageSpec
+    runner: StageRunner | None
+    kv: StageKvManager
+    transport: Transport
+    stats: StageStats
+    clock: ActivityClock
+    latency: LatencyHistogram
+    trace: TraceBuffer
+    admitting: bool
+    elastic_state: str
+    _coordinator: SecureChannel | None
+    _downstream: SecureChannel | None
+    _work: asyncio.Queue[Work]
+    _side_tasks: TaskSet
+    _heartbeat_interval_s: float | None
+    _heartbeat_timeout_s: float | None
+    _prepare_layers: PrepareLayers | None
+    _staged: tuple[StageSpec, StageRunner, StageKvManager] | None
+    _extras: Any
+
+    def _release_accounting(self) -> None:
+        raise NotImplementedError
+
+    def _layers(self) -> StageRunner:
+        raise NotImplementedError
+
+    async def swap(self, spec: StageSpec, runner: StageRunner, kv: StageKvManager) -> None:
+        raise NotImplementedError
+
+    async def _configure(self, channel: SecureChannel, command: Configure) -> Ack:
+        first = self._coordinator is not channel
+        if first and self._coordinator is not None:
+            # Another coordinator (or this one, reconnected after a failover) takes over:
+            # nobody will release what the previous one admitted here.
+            self._release_accounting()
+            await self._work.put(ReleaseAllWork())
+        self._coordinator = channel
+        self.trace.enabled = command.trace
+        self._heartbeat_timeout_s = command.heartbeat_timeout_s
+        self._heartbeat_interval_s = command.heartbeat_interval_s
+        if first and command.heartbeat_interval_s is not None:
+            self._side_tasks.spawn(
+                self._heartbeats(channel, command.heartbeat_interval_s), name="stage-heartbeat"
+            )
+        if command.next_host is None or command.next_port is None:
+            self._downstream = channel
+            return Ack(rid=command.rid)
+        try:
+            if self._downstream is not None:
+                await self._downstream.close()
+            self._downstream = await self.transport.connect(
+                command.next_host, command.next_port, expected_peer=command.next_node
+            )
+        except Exception as exc:  # reported to the coordinator, which gives up cleanly
+            return Ack(rid=command.rid, ok=False, error=clip(str(exc)))
+        return Ack(rid=command.rid)
+
+    def _admit(self, command: Admit) -> AdmitReply:
+        request = AdmissionRequest(command.seq, command.prompt_tokens, command.max_tokens)
+        problem = (
+            self._closed_reason(command)
+            or self.kv.dry_run(request)
+            or self._sampling_refused(command)
+        )
+        if problem is None and command.commit:
+            self.kv.commit(request)
+            self.clock.set_active(len(self.kv.reserved), time.monotonic())
+        if problem is None:
+            return AdmitReply(rid=command.rid, ok=True)
+        return AdmitReply(rid=command.rid, ok=False, diagnostic=AdmitRefusal.of(problem))
+
+    def _closed_reason(self, command: Admit) -> AdmissionDiagnostic | None:
+        if self.spec.is_standby:
+            return self.kv.refusal(RejectReason.PLAN_MISMATCH)
+        if not self.admitting:
+            return self.kv.refusal(RejectReason.DRAINING)
+        if command.plan is not None and not self.spec.matches(command.plan):
+            return self.kv.refusal(RejectReason.PLAN_MISMATCH)
+        return None
+
+    def _sampling_refused(self, command: Admit) -> AdmissionDiagnostic | None:
+        """The last stage makes the sequence's sampler here (dry run included), so parameters
+        it cannot serve refuse this one request instead of failing later on the mlx thread."""
+        if not self.spec.has_lm_head:
+            return None
+        try:
+            sampler = make_sampler(
+                command.temperature, command.top_p, command.seed, command.first_draw
+            )
+        except Exception as exc:
+            log.warning("stage %d: refusing %s: %s", self.spec.index, escape(command.seq), exc)
+            return self.kv.refusal(RejectReason.INVALID_REQUEST)
+        if command.commit:
+            self._layers().set_sampler(command.seq, sampler)
+        return None
+
+    async def _reassign(self, channel: SecureChannel, command: Reassign) -> None:
+        reply = ReassignReply(rid=command.rid)
+        try:
+            if command.phase == "prepare":
+                load = await self._prepare(command.plan, command.stage)
+                reply = ReassignReply(rid=command.rid, **load.model_dump())
+            elif command.phase == "commit":
+                if self._staged is None:
+                    raise ProtocolViolation("commit without a prepared plan")
+                spec, runner, kv = self._staged
+                self._staged = None
+                # The KV budget belongs to the node, not to its layers: the one in force now
+                # (a reload may have changed it since this stage started) carries over.
+                kv.budget_bytes = self.kv.budget_bytes
+                await self.swap(spec, runner, kv)
+                self.elastic_state = "idle"
+            else:
+                self._staged = None
+                self.elastic_state = "idle"
+        except Exception as exc:  # reported to the coordinator, which aborts everywhere
+            self._staged = None
+            error = clip(str(exc) or type(exc).__name__)
+            reply = ReassignReply(rid=command.rid, ok=False, error=error)
+        with contextlib.suppress(ChannelClosedError):
+            await send_reply(channel, reply)
+
+    async def _prepare(self, plan: list[tuple[int, int]], stage: int | None) -> LayerLoad:
+        """Load the layers of stage ``stage`` of ``plan`` (None: this one's index) beside the
+        current ones: a repartition, a standby adopting a lost stage, survivors closing a gap."""
+        if self._prepare_layers is None:
+            raise ProtocolViolation("this stage cannot change its layers")
+        index = self.spec.index if stage is None else stage
+        if not 0 <= index < len(plan):
+            raise ProtocolViolation(f"no stage {index} in a plan of {len(plan)} stages")
+        if self.kv.reserved:
+            raise ProtocolViolation(f"{len(self.kv.reserved)} sequences still hold KV here")
+        start, end = plan[index]
+        spec = StageSpec(index, len(plan), start, end)
+        self.elastic_state = "resuming"
+        runner, kv, load = await self._prepare_layers(spec, self.runner)
+        self._staged = (spec, runner, kv)
+        return load
+
+    def status(self, rid: int = 0) -> StageReport:
+        """This stage's report (the reply to a status command), with the agent's extras."""
+        elapsed = max(time.monotonic() - self.stats.started, 1e-9)
+        clock = self.clock.snapshot(time.monotonic())
+        h = self.latency
+        return StageReport(
+            **self._extras().model_dump(),
+            rid=rid,
+            stage=self.spec.index,
+            layers=(self.spec.start, self.spec.end),
+            parameter_bytes=self.runner.stage.parameter_bytes if self.runner else 0,
+            weights=str(self.runner.stage.weights) if self.runner else "none",
+            blas=clip(str(blas_in_use())),
+            kv_used_bytes=self.kv.used_bytes,
+            kv_budget_bytes=self.kv.budget_bytes,
+            active_sequences=len(self.kv.reserved),
+            forwards=self.stats.forwards,
+            busy_fraction=min(1.0, self.stats.busy_s / elapsed),
+            protocol_errors=self.stats.protocol_errors,
+            batched_passes=self.stats.batched_passes,
+            batched_rows=self.stats.batched_rows,
+            busy_s=clock["busy_s"],
+            active_s=clock["active_s"],
+            wall_s=clock["wall_s"],
+            activation_latency=LatencyReport(
+                counts=list(h.counts), sum=h.total, count=h.count, max=h.max
+            ),
+            wire=WireCounters.model_validate(self.transport.stats.snapshot()),
+            trace_dropped=self.trace.dropped,
+            admission="open" if self.admitting else "draining",
+            elastic_state=self.elastic_state,
+            now=time.time(),
+        )
+
+    async def _heartbeats(self, channel: SecureChannel, interval_s: float) -> None:
+        """Say "alive" to the coordinator every interval while it is the coordinator."""
+        while self._coordinator is channel and not channel.closed:
+            try:
+                await channel.send(MessageKind.CONTROL, Heartbeat().model_dump())
+            except ChannelClosedError:
+                return
+            await asyncio.sleep(interval_s)
