@@ -202,3 +202,44 @@ def test_a_request_whose_stage_fails_gets_an_error_and_the_others_their_tokens(
             mlx.close()
 
     run(scenario)
+
+
+def test_a_stage_whose_coordinator_falls_silent_drops_it_and_frees_its_kv(
+    embedded_model_dir: Path,
+) -> None:
+    """The coordinator asks for heartbeats (configure) and then says nothing more: past the
+    timeout the stage closes its channel and frees every sequence it held for it."""
+
+    async def scenario() -> None:
+        mlx = MlxThread("heartbeat-mlx")
+        spec = StageSpec(0, 1, 0, NUM_LAYERS)
+        model_config = read_model_config(embedded_model_dir)
+        runner, per_token = await load_stage_runner(mlx, embedded_model_dir, spec, model_config)
+        kv = stage_kv_manager(spec, per_token, None, 8)
+        worker = StageWorker(spec, runner, kv, create_transport("tcp", config("stage-0")), mlx)
+        host, port = await worker.start("127.0.0.1", 0)
+        channel = await create_transport("tcp", config("coordinator")).connect(
+            host, port, expected_peer="stage-0"
+        )
+        peer = Peer(channel)
+        try:
+            beats = Configure(heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5)
+            assert (await peer.control.ask(beats, Ack)).ok
+            await peer.admit("held")
+            assert worker.kv.used_bytes > 0
+            # This side sends nothing more; the stage closes the channel (the reader ends).
+            await asyncio.wait_for(peer.reader, 30)
+            deadline = asyncio.get_running_loop().time() + 30
+            while worker.kv.used_bytes or worker.kv.reserved:
+                assert asyncio.get_running_loop().time() < deadline
+                await asyncio.sleep(0.05)
+            kinds = [peer.data.get_nowait().kind for _ in range(peer.data.qsize())]
+            assert MessageKind.CONTROL in kinds  # its own heartbeats came meanwhile
+        finally:
+            await channel.close()
+            peer.reader.cancel()
+            await asyncio.gather(peer.reader, return_exceptions=True)
+            await worker.close()
+            mlx.close()
+
+    run(scenario)

@@ -139,9 +139,13 @@ def test_the_status_document_lists_standbys_idle_and_adopted() -> None:
     async def stage_reports() -> dict[str, StageReport]:
         return reports
 
+    # The pipeline as it serves after the failover: stage-1's place taken by spare-c.
+    chain = [SimpleNamespace(id="stage-0", host="10.0.0.2", port=1),
+             SimpleNamespace(id="spare-c", host="10.0.0.9", port=1)]  # fmt: skip
     live = SimpleNamespace(
-        connected=True, waiting=0, stage_reports=stage_reports, link_alive=reports.__contains__
-    )
+        connected=True, waiting=0, stage_reports=stage_reports, link_alive=reports.__contains__,
+        chain_nodes=lambda: chain, failovers=[],
+    )  # fmt: skip
     gate: Any = SimpleNamespace(coordinator=live, admission="open", in_flight=0)
     view = CoordinatorView(
         cluster_name=lambda: "c", node_id=lambda: "coordinator", gate=lambda: gate,
@@ -150,14 +154,17 @@ def test_the_status_document_lists_standbys_idle_and_adopted() -> None:
     )  # fmt: skip
     document = asyncio.run(CoordinatorAdmin(view).status())
 
+    # The stages are the chain serving now (spare-c in the lost stage-1's place), with roles.
+    assert [(c["node_id"], c["role"]) for c in document["stages"]] == [
+        ("stage-0", "pipeline_stage"),
+        ("spare-c", "standby"),
+    ]
     cards = {card["node_id"]: card for card in document["stages"] + document["standbys"]}
     assert [c["node_id"] for c in document["standbys"]] == ["spare-a", "spare-b", "spare-c"]
     assert {c["role"] for c in document["standbys"]} == {"standby"}
-    assert {c["role"] for c in document["stages"]} == {"pipeline_stage"}
     shown = ("stage", "layers", "process_alive", "transport_connected", "config_generation")
     assert {n: tuple(cards[n][k] for k in shown) for n in cards} == {
         "stage-0": (0, "0-14", True, True, "g1"),
-        "stage-1": (1, None, False, False, None),
         "spare-a": (None, None, None, False, None),
         "spare-b": (None, None, True, True, "g1"),
         "spare-c": (1, "15-29", True, True, "g1"),

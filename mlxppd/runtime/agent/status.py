@@ -68,7 +68,11 @@ class CoordinatorAdmin:
         # After a failover the chain is no longer the file's: show the one serving.
         chain = live.chain_nodes() if live is not None else []
         nodes = [StageAddress(n.id, n.host, n.port) for n in chain] or list(view.stages())
-        stages = [_card(i, s, reports.get(s.node_id), live) for i, s in enumerate(nodes)]
+        spares = {s.node_id for s in view.standbys()}
+        stages = [
+            _card(i, s, reports.get(s.node_id), live, "standby" if s.node_id in spares else None)
+            for i, s in enumerate(nodes)
+        ]
         standbys = [_standby_card(s, reports.get(s.node_id), live) for s in view.standbys()]
         coordinator = {
             "node_id": view.node_id(),
@@ -132,12 +136,14 @@ class CoordinatorAdmin:
         return {"state": str(driver.state), "events": driver.events_after(after)}
 
 
-def _card(index: int, stage: StageAddress, report: StageReport | None, live: Any) -> dict[str, Any]:
+def _card(
+    index: int, stage: StageAddress, report: StageReport | None, live: Any, role: str | None
+) -> dict[str, Any]:
     card: dict[str, Any] = {
         "stage": index,
         "node_id": stage.node_id,
         "address": f"{stage.host}:{stage.port}",
-        "role": "pipeline_stage",
+        "role": role or "pipeline_stage",
         "layers": None,
         "process_alive": report is not None,
         "transport_connected": live is not None and live.link_alive(stage.node_id),
