@@ -158,6 +158,14 @@ def test_examples_render_stably(name: str) -> None:
     assert render_cluster_toml(parse_cluster_config(text, name)) == text
 
 
+def test_a_transport_port_range_renders_after_the_backend_and_round_trips() -> None:
+    cfg = parse_cluster_config(_toml({"transport_port_range": "40000 -40009"}), "t")
+    text = render_cluster_toml(cfg)
+    assert 'transport_backend = "tcp"\ntransport_port_range = "40000-40009"\n' in text
+    assert parse_cluster_config(text, "t") == cfg
+    assert render_cluster_toml(parse_cluster_config(text, "t")) == text
+
+
 # -- defaults and accessors ------------------------------------------------------------------
 
 
@@ -166,6 +174,7 @@ def test_defaults() -> None:
     assert cfg.cluster.name == "mlxpp-cluster"
     assert cfg.cluster.tensor_parallel_size == 1
     assert cfg.cluster.transport_backend == "tcp"
+    assert cfg.cluster.transport_port_range == "39600-39629"
     assert cfg.cluster.secret_file is None
     assert cfg.cluster.layers is None
     assert cfg.cluster.elastic == ElasticPolicy(
@@ -1058,6 +1067,9 @@ def _configs(draw: st.DrawFn) -> ClusterConfig:
         "pipeline_parallel_size": pp,
         "tensor_parallel_size": tp,
         "transport_backend": draw(st.sampled_from(["tcp", "thunderbolt", "rdma"])),
+        "transport_port_range": "{}-{}".format(
+            *sorted(draw(st.lists(st.integers(1, 65535), min_size=2, max_size=2)))
+        ),
         "secret_file": draw(st.none() | _NAME),
         "layers": layers,
         "elastic": {

@@ -394,3 +394,26 @@ def test_a_redirect_is_an_error_naming_the_location_and_is_never_followed(
         [(method, path, auth)] = redirecting.seen
         assert (method, path) == ("GET", expected)
         assert (auth is not None) is named  # the probe for the name carries no signature
+
+
+def test_status_text_shows_each_partition_warning_on_its_own_line() -> None:
+    from mlxppd.cli.ctl_admin import render_status
+
+    document = {
+        "cluster": "c",
+        "coordinator": {
+            "node_id": "coordinator",
+            "warnings": [
+                "3 stages over TCP: each extra TCP hop adds latency",
+                "model family 'jamba' is outside the best-tested set",
+            ],
+        },
+        "stages": [],
+    }
+    lines = render_status(document, "healthy", "ok", dash="-").splitlines()
+    assert lines[2:4] == [
+        "warning: 3 stages over TCP: each extra TCP hop adds latency",
+        "warning: model family 'jamba' is outside the best-tested set",
+    ]
+    quiet = render_status({"coordinator": {"warnings": []}}, "healthy", "ok", dash="-")
+    assert "warning:" not in quiet

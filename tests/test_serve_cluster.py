@@ -12,7 +12,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.cluster_support import RunningCluster, kill, start_cluster, wait_gone
+from tests.cluster_support import (
+    RunningCluster,
+    kill,
+    listens_on,
+    restarted_stage_pids,
+    stage_port_and_pid,
+    start_cluster,
+    wait_gone,
+)
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -69,6 +77,10 @@ def chat(url: str, question: str, **extra: object) -> httpx.Response:
 def test_health_and_models(cluster: RunningCluster) -> None:
     health = httpx.get(f"{cluster.url}/health", timeout=10)
     assert health.status_code == 200
+    # No ports were given: the stages took theirs from the transport range, in order
+    # (docs/operations.md, "Ports and firewalls").
+    ports = [stage_port_and_pid(cluster, stage)[0] for stage in (0, 1)]
+    assert all(39600 <= port <= 39629 for port in ports) and ports[0] < ports[1], ports
     models = httpx.get(f"{cluster.url}/v1/models", timeout=10).json()
     assert models["data"][0]["id"]
 
@@ -192,8 +204,9 @@ def test_a_stage_killed_mid_stream_is_restarted_and_the_streams_finish_unchanged
     """serve --pp-size 3: SIGKILL stage 1 while two streams run; its supervisor restarts it on
     its port, the coordinator reconnects and replays both, and the clients see the same text
     as uninterrupted streams, with no error."""
-    running = start_cluster(tmp_path, cli_env, "--pp-size", "3")
+    running = start_cluster(tmp_path, cli_env, "--pp-size", "3", "--verbose")
     try:
+        port, old_pid = stage_port_and_pid(running, 1)
         expected = {
             "story": stream_text(running.url, STORY, 48),
             "poem": stream_text(running.url, POEM, 48),
@@ -217,7 +230,11 @@ def test_a_stage_killed_mid_stream_is_restarted_and_the_streams_finish_unchanged
             t.join(600)
         assert texts == expected
         log = running.log()
-        assert re.search(r"restarted stage 1/3 \(pid \d+\)", log)
+        # Its supervisor restarted it on the same port (the coordinator reconnected there).
+        (new_pid,) = restarted_stage_pids(running, 1)
+        assert new_pid != old_pid and listens_on(new_pid, port)
+        assert f"stage 1 (pid {old_pid}) exited with status -9; restarting it on" in log
+        assert restarted_stage_pids(running, 0) == restarted_stage_pids(running, 2) == []
         assert re.search(
             r"failover: reconnected after [\d.]+ s: the lost node came back; 2 "
             r"sequences replayed",
@@ -225,12 +242,21 @@ def test_a_stage_killed_mid_stream_is_restarted_and_the_streams_finish_unchanged
         ), log[-3000:]
         health = httpx.get(f"{running.url}/health", timeout=30)
         assert health.status_code == 200
+        # Pre-launch warnings and --verbose (docs/partitioning.md): 3 stages over TCP warn,
+        # the llama family does not, and the report shows what each stage loaded.
+        warning = r"WARNING partition warning: 3 stages over TCP: .*each extra TCP hop"
+        assert re.search(warning, log)
+        assert "outside the best-tested set" not in log
+        assert "pipeline partition quality: 3 stages, max=" in log
+        for stage in range(3):
+            row = rf"  stage {stage} device '\S+' layers=\d+ estimated=\d+ actual=\d+"
+            assert re.search(row, log)
     finally:
         assert running.stop() == 0, running.log()
-    restarted = [
-        int(p) for p in re.findall(r"restarted stage \d+/\d+ \(pid (\d+)\)", running.log())
-    ]
+    restarted = restarted_stage_pids(running, 1)
     assert wait_gone([running.proc.pid, *running.stage_pids, *restarted]) == []
+    # Stopping is not mistaken for a crash: nothing was restarted on the way down.
+    assert len(restarted_stage_pids(running, 1)) == 1
 
 
 def test_micro_batches_run_as_one_batched_pass_and_keep_parity(

@@ -16,6 +16,7 @@ from typing import Any
 from mlxppd.app.http_site import http_url, start_site
 from mlxppd.core.agent.elastic import policy_with
 from mlxppd.core.agent.plan import StageAddress
+from mlxppd.core.config.ports import DEFAULT_TRANSPORT_PORT_RANGE, PortRange, parse_port_range
 from mlxppd.core.cpu_weights import CpuWeights, float32_config
 from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.layer_ranges import LayerRange
@@ -34,6 +35,7 @@ from mlxppd.runtime.pipeline.inprocess_backend import InProcessBackend
 from mlxppd.runtime.serve import (
     NodeOptions,
     load_node_cluster,
+    partition_warnings,
     start_coordinator,
     stop_event,
     write_ready,
@@ -103,6 +105,7 @@ async def run_coordinator_node(options: NodeOptions) -> int:
     )
     stages = tuple(StageAddress(n.id, n.host, n.port) for n in cluster.stage_nodes())
     http = f"{options.host}:{options.port}"
+    warnings = partition_warnings(cluster, config, coordinator.plan)
     view = CoordinatorView(
         cluster_name=lambda: cluster.cluster.name,
         node_id=lambda: options.node_id,
@@ -111,6 +114,7 @@ async def run_coordinator_node(options: NodeOptions) -> int:
         http_address=lambda: http,
         driver=lambda: driver,
         last_error=lambda: coordinator.health().detail,
+        warnings=lambda: warnings,
     )
     admin = signed_admin_api(
         CoordinatorAdmin(view), secret.key_bytes(), coordinator.metrics, cluster.cluster.name
@@ -213,8 +217,17 @@ async def run_inprocess(options: NodeOptions, model_dir: Path) -> int:
         mlx.close()
 
 
-def run_local_cluster(template: NodeOptions, ranges: tuple[LayerRange, ...]) -> int:
-    """Start the stages, then the coordinator here; stop everything on exit or failure."""
+def run_local_cluster(
+    template: NodeOptions,
+    ranges: tuple[LayerRange, ...],
+    *,
+    port_range: PortRange | None = None,
+    transport_backend: str = "tcp",
+) -> int:
+    """Start the stages, then the coordinator here; stop everything on exit or failure.
+
+    Transport ports come from ``port_range`` (None: the default range), the first free ones.
+    """
     if len(ranges) < 2:
         raise ConfigurationError("a local cluster needs at least 2 stages", source="--pp-size")
     cluster = LocalCluster(
@@ -225,6 +238,8 @@ def run_local_cluster(template: NodeOptions, ranges: tuple[LayerRange, ...]) -> 
         cpu_weights=str(template.cpu_weights) if template.cpu_weights is not None else None,
         log_level=template.log_level,
         given_secret_file=template.secret_file,
+        port_range=port_range or parse_port_range(DEFAULT_TRANSPORT_PORT_RANGE),
+        transport_backend=transport_backend,
     )
 
     async def coordinate() -> int:

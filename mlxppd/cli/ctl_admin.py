@@ -302,6 +302,8 @@ def render_status(document: Mapping[str, Any], badge: str, detail: str, *, dash:
             ),
         ),
     ]
+    warnings = coordinator.get("warnings")
+    lines += [f"warning: {_text(w)}" for w in warnings] if isinstance(warnings, list) else []
     if "elastic_enabled" in coordinator:
         elastic = "elastic repartitioning: " + (
             f"{_text(coordinator.get('elastic_state'))}"

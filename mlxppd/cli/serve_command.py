@@ -12,8 +12,11 @@ from typing import Any
 
 from mlxppd.cli.common import cpu_weights_flag
 from mlxppd.cli.serve_modes import Mode, check_serve_flags, with_defaults
+from mlxppd.core.config.ports import DEFAULT_TRANSPORT_PORT_RANGE, parse_port_range
 from mlxppd.core.config.private_file import ALLOW_LOOSE_FLAG, ENV_ALLOW_LOOSE
 from mlxppd.core.errors import ConfigurationError
+
+_PORT_RANGE_FLAG = "--transport-port-range"
 
 _EPILOG = """\
 roles:
@@ -51,6 +54,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     split = p.add_mutually_exclusive_group()
     split.add_argument("--pp-size", type=int, help="stages of a local cluster (>= 2)")
     split.add_argument("--pp-layers", help='inclusive layer range per stage, "0-14,15-29"')
+    p.add_argument(
+        "--transport-port-range",
+        metavar="FIRST-LAST",
+        help="TCP ports a local cluster's stages and coordinator take theirs from, the first "
+        f"free ones (default {DEFAULT_TRANSPORT_PORT_RANGE})",
+    )
+    p.add_argument(
+        "--transport-backend",
+        choices=("tcp", "thunderbolt", "rdma"),
+        help="transport between a local cluster's stages (default tcp)",
+    )
     p.add_argument("--distributed-config", type=Path, help="cluster TOML of a multi-host cluster")
     p.add_argument("--node-id", help="this node's id in --distributed-config")
     p.add_argument(
@@ -118,6 +132,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--ready-file", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--metrics-ready-file", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--log-level", help="log level (default INFO)")
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="log the partition quality report once the stages load (as generate --verbose)",
+    )
     from mlxppd.cli.agent_command import elastic_flags
 
     elastic_flags(p)
@@ -219,6 +238,11 @@ def _check_values(args: argparse.Namespace, mode: Mode) -> None:
                 source="--pp-auto",
             )
     if mode is Mode.LOCAL_CLUSTER:
+        if args.transport_port_range is not None:
+            try:
+                parse_port_range(args.transport_port_range)
+            except ValueError as exc:
+                raise ConfigurationError(str(exc), source=_PORT_RANGE_FLAG) from None
         if args.pp_size is not None and args.pp_size < 2:
             raise ConfigurationError(
                 "a local cluster needs at least 2 stages; drop --pp-size to serve every stage "
@@ -317,6 +341,7 @@ def _node_options(args: argparse.Namespace) -> Any:
         trace_path=args.debug_pp_trace,
         cpu_weights=args.cpu_weights,
         log_level=str(args.log_level),
+        verbose=bool(args.verbose),
         elastic=tuple(elastic_overrides(args).items()),
     )
 
@@ -370,8 +395,15 @@ def _run_local(args: argparse.Namespace, options: Any, sized: Any) -> int:
     from mlxppd.engine.cpu_weights import resolve_for_process
     from mlxppd.engine.families import single_process_reason
     from mlxppd.engine.model_files import resolve_model_dir
+    from mlxppd.runtime.local_cluster import free_ports_in
     from mlxppd.runtime.system import event_loop
 
+    port_range = parse_port_range(args.transport_port_range or DEFAULT_TRANSPORT_PORT_RANGE)
+    if args.pp_size is not None or args.pp_layers is not None:
+        # A range without room is one error before the model loads (the stages and the
+        # coordinator; the cluster takes its ports again when it starts).
+        stages = args.pp_size or len(args.pp_layers.split(","))
+        free_ports_in(port_range, stages + 1, setting=_PORT_RANGE_FLAG)
     model_dir = resolve_model_dir(args.model)
     config = read_model_config(model_dir)
     # Every stage runs on this host: balance the layers as the stages will hold them.
@@ -387,5 +419,12 @@ def _run_local(args: argparse.Namespace, options: Any, sized: Any) -> int:
         raise ConfigurationError(refusal, source="--pp-size/--pp-layers")
     options = replace(options, model=str(model_dir))
     if len(ranges) >= 2:
-        return int(run_local_cluster(sized(options, len(ranges)), ranges))
+        return int(
+            run_local_cluster(
+                sized(options, len(ranges)),
+                ranges,
+                port_range=port_range,
+                transport_backend=args.transport_backend or "tcp",
+            )
+        )
     return int(event_loop.run(run_inprocess(options, model_dir)))

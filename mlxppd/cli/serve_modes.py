@@ -77,6 +77,7 @@ _PIPELINE = {
     "elastic_pp_drain_timeout",
     "elastic_pp_pressure_fraction",
     "elastic_pp_cool_down",
+    "verbose",
 }
 _LAYERS = {"kv_budget_bytes", "max_batch_size", "cpu_weights"}
 _ZERO = {
@@ -92,7 +93,12 @@ _PLANNING = {"pp_auto", "cluster_peers", "cluster_discovery_timeout"}
 FLAGS_USED: dict[Mode, frozenset[str]] = {
     Mode.IN_PROCESS: frozenset(_COMMON | _HTTP | _LAYERS),
     Mode.LOCAL_CLUSTER: frozenset(
-        _COMMON | _SECRET | _HTTP | _PIPELINE | _LAYERS | {"pp_size", "pp_layers"}
+        _COMMON
+        | _SECRET
+        | _HTTP
+        | _PIPELINE
+        | _LAYERS
+        | {"pp_size", "pp_layers", "transport_port_range", "transport_backend"}
     ),
     Mode.STAGE: frozenset(
         _COMMON | _SECRET | _LAYERS | {"distributed_config", "node_id", "pp_peer"}

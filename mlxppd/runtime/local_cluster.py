@@ -33,6 +33,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from mlxppd.core.config.cluster import ClusterConfig, parse_cluster_config
+from mlxppd.core.config.ports import (
+    DEFAULT_TRANSPORT_PORT_RANGE,
+    TRANSPORT_PORT_RANGE_SETTING,
+    PortRange,
+    choose_ports,
+    parse_port_range,
+)
 from mlxppd.core.config.render import render_cluster_toml
 from mlxppd.core.errors import TemporaryError
 from mlxppd.core.layer_ranges import LayerRange, format_pp_layers
@@ -54,17 +61,51 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def local_cluster_toml(ranges: tuple[LayerRange, ...], ports: list[int], name: str) -> str:
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a stage could listen on ``host:port`` now. SO_REUSEADDR, as the stage's
+    listener has: a port left in TIME_WAIT by an earlier cluster is free, one that something
+    listens on is not."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports_in(
+    port_range: PortRange, count: int, *, setting: str = TRANSPORT_PORT_RANGE_SETTING
+) -> tuple[int, ...]:
+    """The first ``count`` ports of ``port_range`` free on loopback, in order;
+    ConfigurationError naming ``setting`` when the range cannot give them."""
+    return choose_ports(port_range, count, port_is_free, setting=setting)
+
+
+def local_cluster_toml(
+    ranges: tuple[LayerRange, ...],
+    ports: list[int],
+    name: str,
+    *,
+    coordinator_port: int | None = None,
+    transport_backend: str = "tcp",
+    port_range: PortRange | None = None,
+) -> str:
     """The cluster TOML of a loopback cluster: a coordinator and one node per stage."""
     lines = [
         "[cluster]",
         f'name = "{name}"',
         f"pipeline_parallel_size = {len(ranges)}",
+        f'transport_backend = "{transport_backend}"',
         f"layers = [{', '.join(repr(r) for r in format_pp_layers(ranges).split(','))}]",
+    ]
+    if port_range is not None:
+        lines.append(f'transport_port_range = "{port_range}"')
+    lines += [
         "",
         "[[nodes]]",
         'id = "coordinator"',
-        f'address = "127.0.0.1:{free_port()}"',
+        f'address = "127.0.0.1:{coordinator_port or free_port()}"',
         'role = "hybrid"',
     ]
     for i, port in enumerate(ports):
@@ -94,10 +135,25 @@ class LocalCluster:
     given_secret_file: str | None = None
     """--cluster-secret-file: the stages and the coordinator use it; None: a fresh secret"""
     restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
+    port_range: PortRange = field(
+        default_factory=lambda: parse_port_range(DEFAULT_TRANSPORT_PORT_RANGE)
+    )
+    """where the stages' and the coordinator's transport ports come from"""
+    port_setting: str = "--transport-port-range"
+    """how an exhausted range's error names the setting"""
+    transport_backend: str = "tcp"
     restarts: list[int] = field(default_factory=list, init=False)
     """how often each stage was restarted"""
 
     def __post_init__(self) -> None:
+        try:
+            # Stages first (the lowest free ports), then the coordinator's address.
+            *self.ports, coordinator_port = free_ports_in(
+                self.port_range, len(self.ranges) + 1, setting=self.port_setting
+            )
+        except BaseException:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            raise
         if self.given_secret_file is not None:
             # Checked here, so a bad file is one error, not a stage that failed to start.
             self.secret_file = Path(self.given_secret_file).expanduser().absolute()
@@ -111,9 +167,17 @@ class LocalCluster:
             fd = os.open(self.secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as f:
                 f.write(secrets.token_hex(32) + "\n")
-        self.ports = [free_port() for _ in self.ranges]
         self.cluster_file = self.workdir / "cluster.toml"
-        self.cluster_file.write_text(local_cluster_toml(self.ranges, self.ports, "mlxpp-local"))
+        self.cluster_file.write_text(
+            local_cluster_toml(
+                self.ranges,
+                self.ports,
+                "mlxpp-local",
+                coordinator_port=coordinator_port,
+                transport_backend=self.transport_backend,
+                port_range=self.port_range,
+            )
+        )
         self.restarts = [0 for _ in self.ranges]
         # When each stage's current process listened (None: not yet), for the restart policy.
         self._ready_at: list[float | None] = [None for _ in self.ranges]

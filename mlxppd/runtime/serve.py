@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +20,14 @@ from prometheus_client import CollectorRegistry
 
 from mlxppd.core.agent.desired import cluster_layer_plan
 from mlxppd.core.config.cluster import ClusterConfig, NodeRole, load_cluster_config
-from mlxppd.core.cpu_weights import CpuWeights
+from mlxppd.core.cpu_weights import CpuWeights, float32_config
 from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.kv_admission import DEFAULT_STAGE_SEQUENCES
-from mlxppd.core.profile.model import read_model_config
+from mlxppd.core.layer_ranges import LayerRange
+from mlxppd.core.partition.launch import cluster_partition_plan, launch_warnings
+from mlxppd.core.partition.plan import PartitionPlan, plan_layers
+from mlxppd.core.partition.quality import quality_report
+from mlxppd.core.profile.model import profile_from_config, read_model_config
 from mlxppd.core.stages import StageSpec
 from mlxppd.engine.model_files import resolve_model_dir
 from mlxppd.engine.tokenizer import load_tokenizer
@@ -72,6 +77,8 @@ class NodeOptions:
     """--cpu-weights; None: the cluster TOML's [cluster] cpu_weights"""
     elastic: tuple[tuple[str, Any], ...] = ()
     """the --enable-elastic-pp / --elastic-pp-* flags given, as (policy key, value) pairs"""
+    verbose: bool = False
+    """--verbose: the coordinator logs the partition quality report once its stages load"""
 
 
 def stop_event() -> asyncio.Event:
@@ -141,6 +148,39 @@ async def run_stage_node(options: NodeOptions) -> int:
         mlx.close()
 
 
+def partition_warnings(
+    cluster: ClusterConfig, model_config: Any, ranges: Sequence[LayerRange]
+) -> tuple[str, ...]:
+    """The pre-launch warnings of a coordinator's plan (docs/partitioning.md)."""
+    plan = cluster_partition_plan(cluster, profile_from_config(model_config), ranges)
+    return launch_warnings(plan, cluster.cluster.transport_backend)
+
+
+def log_partition_warnings(warnings: Sequence[str]) -> None:
+    for warning in warnings:
+        log.warning("partition warning: %s", warning)
+
+
+async def log_partition_report(
+    coordinator: Coordinator, plan: PartitionPlan, model_config: Any
+) -> None:
+    """``--verbose``: the report ``generate --verbose`` prints, with each stage's loaded bytes
+    when every stage answers its status request (priced as float32 when the stages hold
+    float32 weights, as ``generate`` prices what its stages hold)."""
+    reports = await coordinator.stage_reports()
+    loaded = [reports.get(s.device_id) for s in plan.stages]
+    held = [r for r in loaded if r is not None]
+    if len(held) < len(loaded):
+        log.info("%s", quality_report(plan).format())
+        return
+    if all(r.weights == "float32" for r in held):
+        ids = [s.device_id for s in plan.stages]
+        profile = profile_from_config(float32_config(model_config))
+        plan = replace(plan_layers(profile, plan.ranges, device_ids=ids), warnings=plan.warnings)
+    report = quality_report(plan).with_actual([r.parameter_bytes for r in held])
+    log.info("%s", report.format())
+
+
 async def start_coordinator(options: NodeOptions) -> Coordinator:
     cluster, secret = _load_cluster(options)
     node = cluster.find_node(options.node_id)
@@ -152,12 +192,15 @@ async def start_coordinator(options: NodeOptions) -> Coordinator:
         )
     model_dir = resolve_model_dir(options.model)
     model_config = read_model_config(model_dir)
+    ranges = cluster_layer_plan(cluster, model_config)
+    plan = cluster_partition_plan(cluster, profile_from_config(model_config), ranges)
+    log_partition_warnings(launch_warnings(plan, cluster.cluster.transport_backend))
     setup = CoordinatorSetup(
         cluster=cluster,
         node_id=node.id,
         secret=secret,
         transport=cluster.cluster.transport_backend,
-        plan=cluster_layer_plan(cluster, model_config),
+        plan=ranges,
         model_config=model_config,
         micro_batch_size=options.micro_batch_size,
         parallel=options.parallel,
@@ -165,9 +208,12 @@ async def start_coordinator(options: NodeOptions) -> Coordinator:
         trace_path=options.trace_path,
     )
     wants_metrics = options.metrics or options.metrics_port is not None
-    return await start_pipeline_coordinator(
+    coordinator = await start_pipeline_coordinator(
         setup,
         load_tokenizer(model_dir),
         options.alias or model_dir.name,
         PipelineMetrics(CollectorRegistry()) if wants_metrics else None,
     )
+    if options.verbose:
+        await log_partition_report(coordinator, plan, model_config)
+    return coordinator

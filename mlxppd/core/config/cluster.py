@@ -30,6 +30,7 @@ from mlxppd.core.config.addresses import address_key, parse_address
 from mlxppd.core.config.failover import FailoverPolicy
 from mlxppd.core.config.messages import KeyedValueError, validation_error
 from mlxppd.core.config.names import NAME_SCHEMA, name_problem, suggested_name
+from mlxppd.core.config.ports import DEFAULT_TRANSPORT_PORT_RANGE, TransportPortRangeField
 from mlxppd.core.cpu_weights import CpuWeights, CpuWeightsField
 from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.layer_ranges import LayerRange, check_layer_ranges, even_split, parse_layer_range
@@ -143,6 +144,12 @@ class ClusterSection(_Strict):
     )
     transport_backend: TransportBackend = Field(
         "tcp", description="Cross-stage transport: 'tcp', 'thunderbolt' or 'rdma'."
+    )
+    transport_port_range: TransportPortRangeField = Field(
+        DEFAULT_TRANSPORT_PORT_RANGE,
+        description='TCP ports, "FIRST-LAST" (both included, 1-65535), a node takes its '
+        "transport port from when none is given (a local cluster's stages); open it in the "
+        "firewall.",
     )
     secret_file: str | None = Field(
         None,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from mlxppd.core.config.cluster import ClusterConfig, Node
+from mlxppd.core.config.ports import DEFAULT_TRANSPORT_PORT_RANGE
 
 # Static on purpose (determinism: docs/zero-config.md): no hostname, pid or clock, so the same
 # cluster always renders to the same bytes and the file can live in version control.
@@ -86,6 +87,8 @@ def render_cluster_toml(cfg: ClusterConfig) -> str:
     lines.append(f"pipeline_parallel_size = {_toml_value(c.pipeline_parallel_size)}")
     lines.append(f"tensor_parallel_size = {_toml_value(c.tensor_parallel_size)}")
     lines.append(f"transport_backend = {_toml_value(c.transport_backend)}")
+    if c.transport_port_range != DEFAULT_TRANSPORT_PORT_RANGE:
+        lines.append(f"transport_port_range = {_toml_value(c.transport_port_range)}")
     if c.secret_file is not None:
         lines.append(f"secret_file = {_toml_value(c.secret_file)}")
     if c.layers is not None:

@@ -38,6 +38,7 @@ from mlxppd.core.config.host import HostSettings
 from mlxppd.core.cpu_weights import float32_config
 from mlxppd.core.errors import TemporaryError
 from mlxppd.core.kv_admission import UNLIMITED_BYTES
+from mlxppd.core.partition.launch import cluster_partition_plan, launch_warnings
 from mlxppd.core.profile.model import ModelConfig, profile_from_config
 from mlxppd.core.protocol.control import ReloadReport, StageExtras
 from mlxppd.core.stages import StageSpec
@@ -108,6 +109,8 @@ class NodeRuntime:
         #: timings and tensor counts of the last stage reload (status and tests read them)
         self.last_reload: ReloadReport | None = None
         self.driver: ElasticDriver | None = None
+        #: the pre-launch warnings of the coordinator's plan (``mlxppctl status`` shows them)
+        self.partition_warnings: tuple[str, ...] = ()
         self._driver_stop = asyncio.Event()
         self._pressure: asyncio.Task[None] | None = None
 
@@ -259,6 +262,11 @@ class NodeRuntime:
     # -- coordinator ---------------------------------------------------------------------------
 
     async def _start_coordinator(self, target: CoordinatorTarget, ctx: AgentContext) -> None:
+        profile = profile_from_config(ctx.model_config)
+        plan = cluster_partition_plan(ctx.cluster, profile, target.layers)
+        self.partition_warnings = launch_warnings(plan, target.transport)
+        for warning in self.partition_warnings:
+            log.warning("partition warning: %s", warning)
         if self.backend is None:
             tokenizer = self._tokenizer_loader(ctx.model_dir)
             self.backend = GatedBackend(tokenizer, ctx.model_dir.name)

@@ -43,6 +43,8 @@ class CoordinatorView:
     last_error: Callable[[], str | None] = lambda: None
     reload_failures: Callable[[], int] = lambda: 0
     standbys: Callable[[], Sequence[StageAddress]] = lambda: ()
+    #: the pre-launch warnings of the plan in force (mlxppd/core/partition/launch.py)
+    warnings: Callable[[], Sequence[str]] = lambda: ()
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -87,6 +89,7 @@ class CoordinatorAdmin:
             "elastic_state": str(driver.state) if driver is not None else "idle",
             "reload_failures": view.reload_failures(),
             "failovers": [asdict(e) for e in live.failovers] if live is not None else [],
+            "warnings": list(view.warnings()),
         }
         if driver is not None:
             coordinator["elastic_enabled"] = driver.machine.policy.enabled
@@ -211,6 +214,7 @@ def agent_admin(agent: Agent) -> CoordinatorAdmin:
             last_error=lambda: agent.last_reconcile_error,
             reload_failures=lambda: agent.reload_failures,
             standbys=lambda: _standbys(agent),
+            warnings=lambda: rt.partition_warnings,
         )
     )
 

@@ -208,6 +208,9 @@ class Coordinator(StageOps):
 
     async def close(self) -> None:
         await stop_tasks(self._poller, self._heartbeat, self._recovery)
+        if not self._recovered.is_set():  # requests waiting for a recovery end now
+            self._broken = self._broken or "the coordinator stopped during a failover"
+            self._recovered.set()
         await self.flush_trace()
         self._ready = False
         await self.drop_links(self._links)

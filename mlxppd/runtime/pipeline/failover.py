@@ -35,6 +35,7 @@ from mlxppd.core.partition.plan import balance_layers
 from mlxppd.core.profile.model import ModelConfig, profile_from_config
 from mlxppd.core.protocol.control import Reassign, ReassignReply, StageReport, Status
 from mlxppd.core.strict import StrictModel
+from mlxppd.runtime.pipeline.backend import BackendUnavailable
 from mlxppd.runtime.pipeline.stage_link import StageLink
 
 
@@ -81,8 +82,11 @@ def survivors_replan(config: ModelConfig) -> Replan:
     return replan
 
 
-class PipelineInterrupted(MlxppError):
-    """A stage was lost under this sequence; it is replayed once the pipeline recovers."""
+class PipelineInterrupted(BackendUnavailable):
+    """A stage was lost under this sequence; it is replayed once the pipeline recovers.
+
+    A ``BackendUnavailable``: whoever only asks the stages something (status, metrics polls)
+    treats it as the pipeline being away for now."""
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from mlxppd.core.config.addresses import split_host_port
 from mlxppd.core.config.cluster import ClusterConfig, parse_address, parse_cluster_config
 from mlxppd.core.config.render import render_cluster_toml
 from mlxppd.core.errors import ConfigurationError, PeerRefusedError, TemporaryError
+from mlxppd.core.partition.launch import cluster_partition_plan, launch_warnings
 from mlxppd.core.profile.model import profile_from_config, read_model_config
 from mlxppd.core.protocol.assignment import (
     MAX_MEMORY_BYTES,
@@ -250,6 +251,10 @@ def _dry_run(
         )  # fmt: skip
         _write(config_out, render_cluster_toml(plan))
         print(topology_summary(plan, str(config_out.resolve()), notes), file=out, flush=True)
+        transport = plan.cluster.transport_backend
+        warnings = launch_warnings(cluster_partition_plan(plan, profile), transport)
+        for warning in warnings:
+            print(f"partition warning: {warning}", file=out, flush=True)
     for problem in problems:
         print(f"mlxppd: dry run: {problem}", file=sys.stderr, flush=True)
     return 1 if problems else 0
