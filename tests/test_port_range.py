@@ -24,29 +24,11 @@ from mlxppd.core.config.render import render_cluster_toml
 from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.layer_ranges import LayerRange
 from mlxppd.runtime.local_cluster import free_ports_in, local_cluster_toml, port_is_free
+from tests.agent_support import node_tables
 
-TOML = """\
-[cluster]
-pipeline_parallel_size = 2
-{extra}
-
-[[nodes]]
-id = "coordinator"
-address = "127.0.0.1:19100"
-role = "hybrid"
-
-[[nodes]]
-id = "stage-0"
-address = "127.0.0.1:19101"
-role = "pipeline_stage"
-stage = 0
-
-[[nodes]]
-id = "stage-1"
-address = "127.0.0.1:19102"
-role = "pipeline_stage"
-stage = 1
-"""
+TOML = "[cluster]\npipeline_parallel_size = 2\n{extra}\n\n" + node_tables(
+    "127.0.0.1:19100", "127.0.0.1:19101", "127.0.0.1:19102"
+)
 
 # -- the setting ------------------------------------------------------------------------------
 

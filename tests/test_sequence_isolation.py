@@ -74,15 +74,18 @@ class Peer:
         return tokens
 
 
+async def stage_worker(model_dir: Path, mlx: MlxThread, spec: StageSpec) -> StageWorker:
+    """A real stage worker for ``spec`` of the embedded model, node id ``stage-<index>``."""
+    runner, per_token = await load_stage_runner(mlx, model_dir, spec, read_model_config(model_dir))
+    kv = stage_kv_manager(spec, per_token, None, 8)
+    transport = create_transport("tcp", config(f"stage-{spec.index}"))
+    return StageWorker(spec, runner, kv, transport, mlx)
+
+
 def test_a_sequence_whose_forward_raises_fails_alone(embedded_model_dir: Path) -> None:
     async def scenario() -> None:
         mlx = MlxThread("isolation-mlx")
-        spec = StageSpec(0, 1, 0, NUM_LAYERS)
-        model_config = read_model_config(embedded_model_dir)
-        runner, per_token = await load_stage_runner(mlx, embedded_model_dir, spec, model_config)
-        kv = stage_kv_manager(spec, per_token, None, 8)
-        transport = create_transport("tcp", config("stage-0"))
-        worker = StageWorker(spec, runner, kv, transport, mlx)
+        worker = await stage_worker(embedded_model_dir, mlx, StageSpec(0, 1, 0, NUM_LAYERS))
         host, port = await worker.start("127.0.0.1", 0)
         client = create_transport("tcp", config("coordinator"))
         channel = await client.connect(host, port, expected_peer="stage-0")
@@ -152,14 +155,10 @@ def test_a_request_whose_stage_fails_gets_an_error_and_the_others_their_tokens(
 
     async def scenario() -> None:
         mlx = MlxThread("isolation-mlx")
-        model_config = read_model_config(embedded_model_dir)
-        workers = []
-        for index, (start, end) in enumerate([(0, 15), (15, NUM_LAYERS)]):
-            spec = StageSpec(index, 2, start, end)
-            runner, per_token = await load_stage_runner(mlx, embedded_model_dir, spec, model_config)
-            kv = stage_kv_manager(spec, per_token, None, 8)
-            transport = create_transport("tcp", config(f"stage-{index}"))
-            workers.append(StageWorker(spec, runner, kv, transport, mlx))
+        workers = [
+            await stage_worker(embedded_model_dir, mlx, StageSpec(i, 2, start, end))
+            for i, (start, end) in enumerate([(0, 15), (15, NUM_LAYERS)])
+        ]
         first = workers[0].runner
         forward = first.forward
 
@@ -212,11 +211,7 @@ def test_a_stage_whose_coordinator_falls_silent_drops_it_and_frees_its_kv(
 
     async def scenario() -> None:
         mlx = MlxThread("heartbeat-mlx")
-        spec = StageSpec(0, 1, 0, NUM_LAYERS)
-        model_config = read_model_config(embedded_model_dir)
-        runner, per_token = await load_stage_runner(mlx, embedded_model_dir, spec, model_config)
-        kv = stage_kv_manager(spec, per_token, None, 8)
-        worker = StageWorker(spec, runner, kv, create_transport("tcp", config("stage-0")), mlx)
+        worker = await stage_worker(embedded_model_dir, mlx, StageSpec(0, 1, 0, NUM_LAYERS))
         host, port = await worker.start("127.0.0.1", 0)
         channel = await create_transport("tcp", config("coordinator")).connect(
             host, port, expected_peer="stage-0"

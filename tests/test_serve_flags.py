@@ -29,30 +29,12 @@ from mlxppd.cli.serve_modes import (
 )
 from mlxppd.core.errors import ConfigurationError
 from mlxppd.wire.secret import write_new_secret
+from tests.agent_support import node_tables
 from tests.cluster_support import start_cluster
 
-CLUSTER_TOML = """\
-[cluster]
-name = "flags-test"
-pipeline_parallel_size = 2
-
-[[nodes]]
-id = "coordinator"
-address = "127.0.0.1:19100"
-role = "hybrid"
-
-[[nodes]]
-id = "stage-0"
-address = "127.0.0.1:19101"
-role = "pipeline_stage"
-stage = 0
-
-[[nodes]]
-id = "stage-1"
-address = "127.0.0.1:19102"
-role = "pipeline_stage"
-stage = 1
-"""
+CLUSTER_TOML = '[cluster]\nname = "flags-test"\npipeline_parallel_size = 2\n\n' + node_tables(
+    "127.0.0.1:19100", "127.0.0.1:19101", "127.0.0.1:19102"
+)
 
 
 def serve_parser() -> argparse.ArgumentParser:

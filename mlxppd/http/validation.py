@@ -97,17 +97,28 @@ def _stream_usage(request: ChatCompletionRequest | CompletionRequest) -> bool:
     return request.stream_options.include_usage
 
 
-def parse_chat(body: dict[str, Any]) -> ParsedRequest:
-    request = validate(ChatCompletionRequest, body)
+def _parsed(
+    request: ChatCompletionRequest | CompletionRequest, max_tokens: int | None, **rest: Any
+) -> ParsedRequest:
+    """The fields both endpoints share, plus ``rest`` (each endpoint's own)."""
     return ParsedRequest(
         model=request.model,
-        max_tokens=request.max_completion_tokens or request.max_tokens,
+        max_tokens=max_tokens,
         temperature=request.temperature,
         top_p=request.top_p,
         seed=request.seed,
         stop=request.stop,
         stream=request.stream,
         include_usage=_stream_usage(request),
+        **rest,
+    )
+
+
+def parse_chat(body: dict[str, Any]) -> ParsedRequest:
+    request = validate(ChatCompletionRequest, body)
+    return _parsed(
+        request,
+        request.max_completion_tokens or request.max_tokens,
         logprobs=request.logprobs,
         messages=tuple({"role": m.role, "content": m.content} for m in request.messages),
     )
@@ -115,15 +126,9 @@ def parse_chat(body: dict[str, Any]) -> ParsedRequest:
 
 def parse_completion(body: dict[str, Any]) -> ParsedRequest:
     request = validate(CompletionRequest, body)
-    return ParsedRequest(
-        model=request.model,
-        max_tokens=request.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS,
-        temperature=request.temperature,
-        top_p=request.top_p,
-        seed=request.seed,
-        stop=request.stop,
-        stream=request.stream,
-        include_usage=_stream_usage(request),
+    return _parsed(
+        request,
+        request.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS,
         logprobs=request.logprobs is not None,
         prompt=request.prompt,
     )

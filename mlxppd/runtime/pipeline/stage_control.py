@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlxppd.core.kv_admission import (
     AdmissionDiagnostic,
@@ -86,13 +86,18 @@ class StageControl:
     _extras: Any
 
     def _release_accounting(self) -> None:
-        raise NotImplementedError
+        for held in list(self.kv.reserved):
+            self.kv.release(held)
+        self.clock.set_active(0, time.monotonic())
 
     def _layers(self) -> StageRunner:
-        raise NotImplementedError
+        if self.runner is None:
+            raise ProtocolViolation("this node is a standby: it serves no layers yet")
+        return self.runner
 
-    async def swap(self, spec: StageSpec, runner: StageRunner, kv: StageKvManager) -> None:
-        raise NotImplementedError
+    if TYPE_CHECKING:  # provided by StageWorker, which queues it on the compute loop
+
+        async def swap(self, spec: StageSpec, runner: StageRunner, kv: StageKvManager) -> None: ...
 
     async def _configure(self, channel: SecureChannel, command: Configure) -> Ack:
         first = self._coordinator is not channel

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from mlxppd.core.errors import TemporaryError
 from mlxppd.core.kv_admission import AdmissionDiagnostic, RejectReason
@@ -71,16 +71,16 @@ class StageOps:
     _trace_file: TraceFile | None
     failover: Any
 
-    def _fail(self, link: StageLink, reason: str) -> None:
-        raise NotImplementedError
+    if TYPE_CHECKING:  # provided by Coordinator: how a link's failure is handled
 
-    async def _request(
-        self, link: StageLink, command: StrictModel, reply: type[ReplyT], timeout_s: float = ...
-    ) -> ReplyT:
-        raise NotImplementedError
+        def _fail(self, link: StageLink, reason: str) -> None: ...
 
-    def _answering(self, link: StageLink) -> Any:
-        raise NotImplementedError
+        async def _request(
+            self, link: StageLink, command: StrictModel, reply: type[ReplyT],
+            timeout_s: float = ...,
+        ) -> ReplyT: ...  # fmt: skip
+
+        def _answering(self, link: StageLink) -> Any: ...
 
     async def align_stages(self, timeout_s: float = 600.0) -> bool:
         """Bring every stage to ``plan`` (after a reconnect, stages may still hold the ranges

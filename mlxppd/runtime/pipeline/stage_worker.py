@@ -322,16 +322,6 @@ class StageWorker(StageControl):
             return
         await self._out.put((MessageKind.ACTIVATION, meta, result))
 
-    def _release_accounting(self) -> None:
-        for held in list(self.kv.reserved):
-            self.kv.release(held)
-        self.clock.set_active(0, time.monotonic())
-
-    def _layers(self) -> StageRunner:
-        if self.runner is None:
-            raise ProtocolViolation("this node is a standby: it serves no layers yet")
-        return self.runner
-
     async def _release_here(self, seq: str) -> None:
         if self.runner is not None:
             await self.mlx.run(functools.partial(self.runner.release, seq))
