@@ -19,6 +19,7 @@ from mlxppd.core.config.ports import (
     PortRange,
     choose_ports,
     parse_port_range,
+    with_range_port,
 )
 from mlxppd.core.config.render import render_cluster_toml
 from mlxppd.core.errors import ConfigurationError
@@ -209,3 +210,52 @@ def test_a_malformed_range_flag_is_refused(tmp_path: Path) -> None:
     proc = _serve(env, "--pp-size", "2", "--transport-port-range", "39629-39600")
     assert proc.returncode == 2, proc.stderr
     assert "--transport-port-range" in proc.stderr and '"39600-39629"' in proc.stderr
+
+
+PORTLESS = """\
+[cluster]
+pipeline_parallel_size = 2
+{extra}
+[[nodes]]
+id = "coordinator"
+address = "10.0.0.1"
+role = "hybrid"
+
+[[nodes]]
+id = "s0"
+address = "10.0.0.2:19001"
+role = "pipeline_stage"
+stage = 0
+
+[[nodes]]
+id = "s1"
+address = "[fe80::1]"
+role = "pipeline_stage"
+stage = 1
+"""
+
+
+def test_a_node_without_a_port_takes_one_from_the_range_by_its_place_in_the_file() -> None:
+    cluster = parse_cluster_config(PORTLESS.format(extra=""), "cluster.toml")
+    assert [n.address for n in cluster.nodes] == [
+        "10.0.0.1:39600", "10.0.0.2:19001", "[fe80::1]:39602",
+    ]  # fmt: skip
+    ranged = parse_cluster_config(
+        PORTLESS.format(extra='transport_port_range = "40100-40199"'), "cluster.toml"
+    )
+    assert ranged.nodes[2].port == 40102 and ranged.nodes[2].host == "fe80::1"
+
+
+def test_a_range_too_small_for_the_portless_nodes_names_the_setting() -> None:
+    text = PORTLESS.format(extra='transport_port_range = "40100-40101"')
+    with pytest.raises(ConfigurationError) as caught:
+        parse_cluster_config(text, "cluster.toml")
+    message = str(caught.value)
+    assert "'s1'" in message and "cluster.transport_port_range" in message
+    assert "give it a port or widen the range" in message
+
+
+def test_a_zero_config_host_without_a_port_takes_the_ranges_first() -> None:
+    assert with_range_port("10.0.0.2") == "10.0.0.2:39600"
+    assert with_range_port("10.0.0.2:19001") == "10.0.0.2:19001"
+    assert with_range_port("[fe80::1]") == "[fe80::1]:39600"

@@ -1,5 +1,6 @@
 """A stage's identity covers exactly the checkpoint tensors its layers own: one changed value
-in a stage's range changes that stage's digest and no other's (issue 21 groundwork)."""
+in a stage's range changes that stage's digest and no other's; the coordinator's comparison
+refuses a stage that differs, holds no copy, or cannot run the family."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from mlxppd.core.model_identity import StageIdentity, check_stage
 from mlxppd.core.stage_tensors import layer_of, owned_by
 from mlxppd.core.stages import StageSpec
 from mlxppd.engine.stage import load_stage
-from mlxppd.engine.stage_digest import stage_digest
+from mlxppd.engine.stage_digest import stage_identity
 from tests.conftest import TINY_LLAMA
 
 SPLIT = (StageSpec(0, 2, 0, 3), StageSpec(1, 2, 3, 6))
@@ -21,7 +23,7 @@ SPLIT = (StageSpec(0, 2, 0, 3), StageSpec(1, 2, 3, 6))
 
 def digests(model: Path) -> list[str]:
     config = json.loads((model / "config.json").read_text())
-    return [stage_digest(model, spec, config).tensors_sha256 for spec in SPLIT]
+    return [stage_identity(model, spec, config).tensors_sha256 for spec in SPLIT]
 
 
 def test_tensors_belong_to_their_layer_or_to_an_end_of_the_pipeline() -> None:
@@ -40,7 +42,7 @@ def test_the_digest_covers_what_the_stage_loads(tiny_model: Callable[..., Path])
     model = tiny_model("digest-llama", TINY_LLAMA)
     config = json.loads((model / "config.json").read_text())
     for spec in SPLIT:
-        identity = stage_digest(model, spec, config)
+        identity = stage_identity(model, spec, config)
         assert identity.tensors == load_stage(model, spec, config).loaded_tensors
         assert identity.family == "llama" and identity.quantization == "none"
 
@@ -60,3 +62,30 @@ def test_one_changed_value_changes_only_its_stages_digest(
     mx.save_safetensors(str(changed / "model.safetensors"), weights)
     after = digests(changed)
     assert after[0] == before[0] and after[1] != before[1]
+
+
+def _identity(model: Path, spec: StageSpec) -> StageIdentity:
+    return stage_identity(model, spec, json.loads((model / "config.json").read_text()))
+
+
+def test_the_coordinator_refuses_a_stage_that_differs_holds_nothing_or_cannot_run_the_family(
+    tiny_model: Callable[..., Path], tmp_path: Path
+) -> None:
+    model = tiny_model("digest-llama", TINY_LLAMA)
+    ours = _identity(model, SPLIT[1])
+    other = ours.model_copy(update={"tensors_sha256": "0" * 64})
+    common = {"family": "llama", "families": ["llama", "qwen3"], "cluster_family": "llama"}
+    same = check_stage("b", 1, model_state="loaded", actual=ours, expected=ours, **common)
+    assert same.state == "verified"
+    differs = check_stage("b", 1, model_state="loaded", actual=other, expected=ours, **common)
+    assert differs.state == "mismatch" and differs.detail.startswith("model_mismatch: stage 1")
+    assert ours.short() in differs.detail and other.short() in differs.detail  # both digests
+    none = check_stage("b", 1, model_state="missing", actual=None, expected=ours, **common)
+    assert none.state == "missing" and "mlxppctl prepare" in none.detail
+    cannot = check_stage(
+        "b", 1, model_state="loaded", actual=ours, expected=ours,
+        family="llama", families=["qwen3"], cluster_family="llama",
+    )  # fmt: skip
+    assert cannot.state == "mismatch" and "pipeline capability mismatch" in cannot.detail
+    unknown = check_stage("b", 1, model_state="loaded", actual=ours, expected=None, **common)
+    assert unknown.state == "unverified"

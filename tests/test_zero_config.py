@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from mlxppd import __version__
 from tests.agent_support import CHAT, VENV_BIN, Hosts, in_host_python, netns_unavailable
 
 pytestmark = pytest.mark.slow
@@ -83,7 +84,8 @@ def test_dry_run_without_peers_plans_with_equal_memory(
 ) -> None:
     a, b = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     out = tmp_path / "cluster.toml"
-    done = dry_run(cli_env, secret, out, "--cluster-peers", f"{b},{a}", "--port", "18099")
+    tb = ("--transport-backend", "thunderbolt")
+    done = dry_run(cli_env, secret, out, "--cluster-peers", f"{b},{a}", "--port", "18099", *tb)
     assert done.returncode == 0, done.stderr
     first, second = sorted([a, b])
     assert f"    - stage-0 @ {first} [pipeline_stage]" in done.stdout
@@ -91,12 +93,11 @@ def test_dry_run_without_peers_plans_with_equal_memory(
     assert "did not answer; planned with equal memory" in done.stdout
     assert f"Emitted cluster TOML at: {out.resolve()}" in done.stdout
     assert 'layers = ["0-14", "15-29"]' in out.read_text()
+    assert 'transport_backend = "thunderbolt"' in out.read_text()  # --transport-backend
     # The same peers in the other order: the same bytes.
     again = tmp_path / "again.toml"
-    assert (
-        dry_run(cli_env, secret, again, "--cluster-peers", f"{a},{b}", "--port", "18099").returncode
-        == 0
-    )
+    flags = ("--cluster-peers", f"{a},{b}", "--port", "18099", *tb)
+    assert dry_run(cli_env, secret, again, *flags).returncode == 0
     assert again.read_bytes() == out.read_bytes()
 
 
@@ -242,6 +243,20 @@ def test_bring_up_answers_like_mlx_lm(
         if discovery == "static"
         else ["--cluster-discovery", "mdns"]
     )
+    if discovery == "static":
+        # The dry run asks each live peer what it runs (package and wire protocol versions).
+        deadline = time.monotonic() + 300
+        while not (_waiting(procs, "peer1") and _waiting(procs, "peer2")):
+            assert time.monotonic() < deadline, procs.log("peer1") + procs.log("peer2")
+            time.sleep(0.2)
+        checked = hosts.run(
+            0, MLXPPD, "serve", "--pp-auto", "2", "--dry-run", "--cluster-secret-file",
+            str(secret), *found, "--cluster-control-addr", f"{a0}:19000",
+            "--cluster-config-out", str(procs.root / "dry.toml"), env=cli_env,
+        )  # fmt: skip
+        assert checked.returncode == 0, checked.stderr
+        for address in (a1, a2):
+            assert f"peer {address}:19001 runs mlxpp {__version__}, wire protocol" in checked.stdout
     coordinator = procs.start(
         hosts, 0, "coordinator", cli_env,
         "--pp-auto", "2", "--cluster-secret-file", str(secret), *found,

@@ -164,6 +164,11 @@ def run_check(args: argparse.Namespace) -> int:
     if stage is not None and stage.layers is not None:
         r = stage.layers
         role = f"pipeline_stage {stage.stage}, layers {r.start}-{r.last}"
+    elif stage is not None and stage.awaiting_model:
+        role = (
+            "pipeline stage without a copy of the model yet: it will listen holding no layers "
+            "until `mlxppctl prepare` on the coordinator's host ships its tensors"
+        )
     elif stage is not None:
         role = "standby, holding no layers until the coordinator gives it a lost stage's"
     else:
@@ -173,7 +178,8 @@ def run_check(args: argparse.Namespace) -> int:
         role = f"coordinator, http {c.http_host}:{c.http_port}, stage layers {ranges}"
     print(
         f"configuration ok: node {desired.node_id} ({role}); config generation "
-        f"{desired.generation}; secret from {context.secret.origin}; model {context.model_dir}"
+        f"{desired.generation}; secret from {context.secret.origin}; model "
+        f"{stage.model_files if stage is not None and stage.model_files else context.model_dir}"
     )
     return 0
 

@@ -14,6 +14,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from mlxppd.cli import ctl_prepare
+from mlxppd.cli.ctl_prepare import progress_line
 from mlxppd.cli.ctl_target import CoordinatorUnreachable, Target, call
 from mlxppd.core.agent.health import UNHEALTHY, overall_health
 from mlxppd.core.config.private_file import ALLOW_LOOSE_FLAG, ENV_ALLOW_LOOSE
@@ -162,6 +164,7 @@ def register(subparsers: Any) -> None:
         help="give up waiting after this long (default 900)",
     )
     repartition.set_defaults(func=lambda args: _repartition(args, os.environ))
+    ctl_prepare.register(add)
 
 
 # --- the subcommands ---
@@ -273,12 +276,44 @@ def _yes_no(value: Any, yes: str, no: str) -> str:
     return "unknown" if value is None else (yes if value else no)
 
 
+def _identity(identity: Any) -> str:
+    if not isinstance(identity, Mapping):
+        return "not checked"
+    state = _text(identity.get("state"))
+    if identity.get("detail") and state != "verified":
+        return f"{state}: {identity['detail']}"
+    digest = identity.get("actual_sha256")
+    return f"{state} (sha256 {str(digest)[:16]})" if digest else state
+
+
 def _kv(used: Any, budget: Any) -> str:
     if not isinstance(used, int):
         return "unknown"
     if not isinstance(budget, int) or budget <= 0:
         return f"{used / MiB:.1f} MiB used, no budget"
     return f"{used / MiB:.1f} / {budget / MiB:.1f} MiB ({used / budget:.0%})"
+
+
+def _stage_card(stage: Mapping[str, Any]) -> list[str]:
+    """One stage's card: a heading, then one aligned row per fact."""
+    rows = (
+        ("layers", _text(stage.get("layers"))),
+        ("process", _yes_no(stage.get("process_alive"), "alive", "NOT RUNNING")),
+        ("transport", _yes_no(stage.get("transport_connected"), "connected", "NOT CONNECTED")),
+        ("in flight", _text(stage.get("in_flight"))),
+        ("KV cache", _kv(stage.get("kv_used_bytes"), stage.get("kv_budget_bytes"))),
+        ("weights", _text(stage.get("weights"))),
+        ("BLAS", _text(stage.get("blas"))),
+        ("elastic state", _text(stage.get("elastic_state"))),
+        ("config generation", _text(stage.get("config_generation"))),
+        ("last reload error", _text(stage.get("last_reload_error"), none="none")),
+        ("model identity", _identity(stage.get("identity"))),
+    )
+    heading = (
+        f"stage {_text(stage.get('stage'))}  {_text(stage.get('node_id'))}  "
+        f"{_text(stage.get('address'))}"
+    )
+    return [heading, *(f"  {name:<18} {value}" for name, value in rows)]
 
 
 def render_status(document: Mapping[str, Any], badge: str, detail: str, *, dash: str) -> str:
@@ -323,6 +358,15 @@ def render_status(document: Mapping[str, Any], badge: str, detail: str, *, dash:
             f"{float(last.get('seconds') or 0):.1f} s: {_text(last.get('detail'))}; "
             f"{_text(last.get('sequences'))} sequences"
         )
+    prepare = coordinator.get("prepare")
+    if isinstance(prepare, Mapping):
+        lines.append(f"prepare ({_text(prepare.get('reason'))}): {_text(prepare.get('state'))}")
+        nodes = prepare.get("nodes")
+        lines += (
+            [f"  {progress_line(n)}" for n in nodes if isinstance(n, Mapping)]
+            if isinstance(nodes, list)
+            else []
+        )
     standbys = document.get("standbys")
     if isinstance(standbys, list) and standbys:
         names = []
@@ -333,27 +377,6 @@ def render_status(document: Mapping[str, Any], badge: str, detail: str, *, dash:
         lines.append("standby nodes: " + ", ".join(names))
     stages = document.get("stages")
     for stage in stages if isinstance(stages, list) else []:
-        if not isinstance(stage, Mapping):
-            continue
-        rows = (
-            ("layers", _text(stage.get("layers"))),
-            ("process", _yes_no(stage.get("process_alive"), "alive", "NOT RUNNING")),
-            (
-                "transport",
-                _yes_no(stage.get("transport_connected"), "connected", "NOT CONNECTED"),
-            ),
-            ("in flight", _text(stage.get("in_flight"))),
-            ("KV cache", _kv(stage.get("kv_used_bytes"), stage.get("kv_budget_bytes"))),
-            ("weights", _text(stage.get("weights"))),
-            ("BLAS", _text(stage.get("blas"))),
-            ("elastic state", _text(stage.get("elastic_state"))),
-            ("config generation", _text(stage.get("config_generation"))),
-            ("last reload error", _text(stage.get("last_reload_error"), none="none")),
-        )
-        lines.append("")
-        lines.append(
-            f"stage {_text(stage.get('stage'))}  {_text(stage.get('node_id'))}  "
-            f"{_text(stage.get('address'))}"
-        )
-        lines.extend(f"  {name:<18} {value}" for name, value in rows)
+        if isinstance(stage, Mapping):
+            lines += ["", *_stage_card(stage)]
     return "\n".join(lines)

@@ -12,7 +12,11 @@ from typing import Any
 
 from mlxppd.cli.common import cpu_weights_flag
 from mlxppd.cli.serve_modes import Mode, check_serve_flags, with_defaults
-from mlxppd.core.config.ports import DEFAULT_TRANSPORT_PORT_RANGE, parse_port_range
+from mlxppd.core.config.ports import (
+    DEFAULT_TRANSPORT_PORT_RANGE,
+    parse_port_range,
+    with_range_port,
+)
 from mlxppd.core.config.private_file import ALLOW_LOOSE_FLAG, ENV_ALLOW_LOOSE
 from mlxppd.core.errors import ConfigurationError
 
@@ -63,7 +67,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--transport-backend",
         choices=("tcp", "thunderbolt", "rdma"),
-        help="transport between a local cluster's stages (default tcp)",
+        help="transport between the stages of a local cluster (--pp-size) or a zero-config "
+        "one (--pp-auto; written into the cluster TOML it plans); default tcp",
     )
     p.add_argument("--distributed-config", type=Path, help="cluster TOML of a multi-host cluster")
     p.add_argument("--node-id", help="this node's id in --distributed-config")
@@ -166,7 +171,11 @@ def _zero_config_flags(p: argparse.ArgumentParser) -> None:
         choices=["static", "mdns"],
         help="static: --cluster-peers as given; mdns: HMAC-signed UDP beacons (default static)",
     )
-    g.add_argument("--cluster-peers", metavar="ADDR,...", help="peers' host:port, comma-separated")
+    g.add_argument(
+        "--cluster-peers",
+        metavar="ADDR,...",
+        help="peers' host:port, comma-separated (a host without :PORT means port 39600)",
+    )
     g.add_argument(
         "--cluster-name",
         help="cluster name in the emitted TOML (letters, digits, '.', '_', '-'); scopes beacons "
@@ -185,8 +194,9 @@ def _zero_config_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--cluster-control-addr",
         metavar="HOST:PORT",
-        help="coordinator: its address in the plan (default --host:19000); peer: where it "
-        "listens for the assignment and then serves (mdns default 0.0.0.0:0)",
+        help="coordinator: its address in the plan (default --host:39600); peer: where it "
+        "listens for the assignment and then serves (mdns default 0.0.0.0:0); a HOST "
+        "without :PORT takes the transport port range's first port, 39600",
     )
     g.add_argument(
         "--cluster-config-out",
@@ -211,7 +221,10 @@ def _zero_config_flags(p: argparse.ArgumentParser) -> None:
 def _zero_config(args: argparse.Namespace) -> Any:
     from mlxppd.runtime.zeroconf.bringup import ZeroConfig
 
-    peers = tuple(p.strip() for p in (args.cluster_peers or "").split(",") if p.strip())
+    # HOST without a port: the first port of the transport port range (39600).
+    given = (p.strip() for p in (args.cluster_peers or "").split(","))
+    peers = tuple(with_range_port(p) for p in given if p)
+    control = args.cluster_control_addr
     return ZeroConfig(
         num_stages=args.pp_auto,
         discovery=args.cluster_discovery,
@@ -219,10 +232,11 @@ def _zero_config(args: argparse.Namespace) -> Any:
         cluster_name=args.cluster_name,
         discovery_port=args.cluster_discovery_port,
         discovery_target=args.cluster_discovery_target,
-        control_addr=args.cluster_control_addr,
+        control_addr=with_range_port(control) if control else None,
         config_out=args.cluster_config_out,
         dry_run=args.dry_run,
         discovery_timeout_s=args.cluster_discovery_timeout,
+        transport_backend=args.transport_backend or "tcp",
     )
 
 

@@ -107,10 +107,13 @@ FLAGS_USED: dict[Mode, frozenset[str]] = {
         _COMMON | _SECRET | _HTTP | _PIPELINE | {"distributed_config", "node_id"}
     ),
     Mode.ZERO_CONFIG_COORDINATOR: frozenset(
-        _COMMON | _SECRET | _HTTP | _PIPELINE | _ZERO | _PLANNING
+        _COMMON | _SECRET | _HTTP | _PIPELINE | _ZERO | _PLANNING | {"transport_backend"}
     ),
     Mode.ZERO_CONFIG_DRY_RUN: frozenset(
-        {"model", "log_level", "host", "port", "dry_run"} | _SECRET | _ZERO | _PLANNING
+        {"model", "log_level", "host", "port", "dry_run", "transport_backend"}
+        | _SECRET
+        | _ZERO
+        | _PLANNING
     ),
     Mode.ZERO_CONFIG_PEER: frozenset(
         _COMMON | _SECRET | _LAYERS | _ZERO | {"pp_peer", "cluster_discovery_target"}

@@ -17,6 +17,7 @@ from mlx.utils import tree_flatten
 
 from mlxppd.core.cpu_weights import CpuWeights
 from mlxppd.core.errors import ConfigurationError
+from mlxppd.core.model_identity import StageIdentity
 from mlxppd.core.profile.model import read_model_config
 from mlxppd.core.stages import StageSpec
 from mlxppd.engine.cpu_weights import float32_weights, resolve_for_stage
@@ -41,6 +42,8 @@ class LoadedStage:
     """native: as the checkpoint stores them; float32: materialized in float32 at load"""
     weights_reason: str = "native"
     """why this weight mode, for the log"""
+    identity: StageIdentity | None = None
+    """what it serves, from the files it read (set by the loader that hashes them)"""
 
     def make_cache(self) -> list[Any]:
         return self.net.make_cache()

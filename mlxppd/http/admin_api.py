@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Annotated, Any, Protocol
 
 from aiohttp import web
 from pydantic import Field, ValidationError
@@ -57,6 +57,7 @@ DRAIN_PATH = "/admin/v1/drain"
 RESUME_PATH = "/admin/v1/resume"
 REPARTITION_PATH = "/admin/v1/repartition"
 EVENTS_PATH = "/admin/v1/repartition/events"
+PREPARE_PATH = "/admin/v1/prepare"
 #: the one unsigned route: which cluster name to sign for (no secret, no state)
 CHALLENGE_PATH = "/admin/v1/challenge"
 #: admin requests carry no real payload; refuse anything bigger before hashing it
@@ -102,6 +103,13 @@ class AdminController(Protocol):
         """``{"state": ..., "events": [...]}``: repartition events numbered above ``after``."""
         ...
 
+    async def prepare(
+        self, max_rate_bytes_s: float | None, nodes: list[str] | None
+    ) -> dict[str, Any]:
+        """Ship stage nodes what their layers need: ``{"accepted": true, "nodes": [...]}`` or
+        ``{"accepted": false, "reason": ..., "message": ...}``; progress is in the status."""
+        ...
+
 
 class RepartitionRequest(StrictModel):
     """The body of POST /admin/v1/repartition."""
@@ -111,6 +119,17 @@ class RepartitionRequest(StrictModel):
     )
     pp_layers: str | None = Field(
         None, min_length=1, max_length=8192, description='inclusive ranges, e.g. "0-9,10-29"'
+    )
+
+
+class PrepareRequest(StrictModel):
+    """The body of POST /admin/v1/prepare."""
+
+    max_rate_bytes_s: float | None = Field(
+        None, gt=0, le=1e12, description="send at most this many bytes per second to each node"
+    )
+    nodes: list[Annotated[str, Field(min_length=1, max_length=128)]] | None = Field(
+        None, max_length=1024, description="node ids to prepare (null: every stage node)"
     )
 
 
@@ -199,6 +218,18 @@ def add_admin_routes(
         outcome = await controller.repartition(body.stage_memory, body.pp_layers)
         return _json(outcome, status=202 if outcome.get("accepted") else 409)
 
+    async def prepare(request: web.Request) -> web.Response:
+        try:
+            body = PrepareRequest.model_validate_json(request[_BODY] or b"{}")
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "body"
+            return error_response(
+                ApiError(400, f"{where}: {first['msg']}", code="invalid_prepare_request")
+            )
+        outcome = await controller.prepare(body.max_rate_bytes_s, body.nodes)
+        return _json(outcome, status=202 if outcome.get("accepted") else 409)
+
     async def events(request: web.Request) -> web.Response:
         try:
             after = int(request.query.get("after", "-1"))
@@ -219,6 +250,7 @@ def add_admin_routes(
     app.router.add_post(RESUME_PATH, guarded(RESUME_PATH, resume))
     app.router.add_post(REPARTITION_PATH, guarded(REPARTITION_PATH, repartition))
     app.router.add_get(EVENTS_PATH, guarded(EVENTS_PATH, events), allow_head=False)
+    app.router.add_post(PREPARE_PATH, guarded(PREPARE_PATH, prepare))
 
 
 def _json(document: dict[str, Any], status: int = 200) -> web.Response:

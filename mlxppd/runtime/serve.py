@@ -29,6 +29,7 @@ from mlxppd.core.partition.plan import PartitionPlan, plan_layers
 from mlxppd.core.partition.quality import quality_report
 from mlxppd.core.profile.model import profile_from_config, read_model_config
 from mlxppd.core.stages import StageSpec
+from mlxppd.engine.embedded import default_cache_dir
 from mlxppd.engine.model_files import resolve_model_dir
 from mlxppd.engine.tokenizer import load_tokenizer
 from mlxppd.runtime.observability.metrics import PipelineMetrics
@@ -135,6 +136,7 @@ async def run_stage_node(options: NodeOptions) -> int:
         kv_budget_bytes=options.kv_budget_bytes or cluster.cluster.kv_budget_bytes,
         max_sequences=options.max_sequences,
         cpu_weights=options.cpu_weights or cluster.cluster.cpu_weights,
+        digest_cache=default_cache_dir(),
     )
     mlx = MlxThread(f"mlx-stage{node.stage}")
     try:
@@ -202,6 +204,8 @@ async def start_coordinator(options: NodeOptions) -> Coordinator:
         transport=cluster.cluster.transport_backend,
         plan=ranges,
         model_config=model_config,
+        model_dir=model_dir,
+        digest_cache=default_cache_dir(),
         micro_batch_size=options.micro_batch_size,
         parallel=options.parallel,
         warmup=options.warmup,

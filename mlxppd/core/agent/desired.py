@@ -78,19 +78,25 @@ def desired_state(
     cluster: ClusterConfig,
     host: HostSettings,
     node: Node,
-    model_config: Mapping[str, Any],
+    model_config: Mapping[str, Any] | None,
     generation: str,
 ) -> DesiredState:
     """What ``node`` should run under these files: the coordinator, a stage worker, or (a
-    standby node) a stage worker holding no layers until the coordinator gives it some."""
+    standby node) a stage worker holding no layers until the coordinator gives it some.
+
+    ``model_config`` None: this host holds no copy of the model yet. A stage node then runs a
+    worker holding no layers that ``mlxppctl prepare`` can ship the model to; the coordinator's
+    host holds the cluster's copy, so it cannot be without one."""
     if cluster.cluster.tensor_parallel_size > 1:
         raise ConfigurationError(
             "the agent serves pipeline-only clusters; set tensor_parallel_size = 1",
             source=CLUSTER_FILE,
             key="cluster.tensor_parallel_size",
         )
-    ranges = cluster_layer_plan(cluster, model_config)
     transport = cluster.cluster.transport_backend
+    if model_config is None:
+        return _awaiting_model(cluster, host, node, generation)
+    ranges = cluster_layer_plan(cluster, model_config)
     if node.role is NodeRole.COORDINATOR:
         coordinator = CoordinatorTarget(
             node_id=node.id,
@@ -120,5 +126,28 @@ def desired_state(
         kv_budget_bytes=host.kv_budget_bytes or cluster.cluster.kv_budget_bytes,
         cpu_weights=host.cpu_weights or cluster.cluster.cpu_weights,
         max_sequences=host.max_sequences,
+    )
+    return DesiredState(node.id, generation, cluster.cluster.elastic, stage=stage)
+
+
+def _awaiting_model(
+    cluster: ClusterConfig, host: HostSettings, node: Node, generation: str
+) -> DesiredState:
+    if node.role is NodeRole.COORDINATOR:
+        raise ConfigurationError(
+            "the coordinator's host holds the cluster's copy of the model, and this host has "
+            "none; put the model directory here (or fix the path)",
+            source="mlxppd.toml",
+            key="model",
+        )
+    stage = StageTarget(
+        node_id=node.id,
+        stage=STANDBY_INDEX,
+        num_stages=len(cluster.stage_nodes()),
+        layers=None,
+        host=node.host,
+        port=node.port,
+        transport=cluster.cluster.transport_backend,
+        awaiting_model=True,
     )
     return DesiredState(node.id, generation, cluster.cluster.elastic, stage=stage)

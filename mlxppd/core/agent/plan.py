@@ -59,6 +59,10 @@ class StageTarget:
     """how the stage holds its weights on a CPU host"""
     max_sequences: int = DEFAULT_STAGE_SEQUENCES
     """sequences the stage holds KV for (sequences)"""
+    model_files: str = ""
+    """the directory its tensors come from: the configured model or a prepared copy"""
+    awaiting_model: bool = False
+    """no model files here yet: it listens holding no layers until ``mlxppctl prepare``"""
 
     def __post_init__(self) -> None:
         if (self.stage == STANDBY_INDEX) != (self.layers is None):
@@ -228,6 +232,8 @@ Action = (
 
 def _stage_restart(want: StageTarget, have: StageTarget) -> str | None:
     """Why the worker must stop and start again (None: it changes in place)."""
+    if (want.awaiting_model, want.model_files) != (have.awaiting_model, have.model_files):
+        return "this node's model files changed (a prepared copy arrived)"
     if want.standby != have.standby:
         old, new = ("standby", "pipeline_stage") if have.standby else ("pipeline_stage", "standby")
         return f"this node's role changed from {old} to {new}"

@@ -15,7 +15,7 @@ import enum
 import json
 import tomllib
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BeforeValidator,
@@ -30,7 +30,11 @@ from mlxppd.core.config.addresses import address_key, parse_address
 from mlxppd.core.config.failover import FailoverPolicy
 from mlxppd.core.config.messages import KeyedValueError, validation_error
 from mlxppd.core.config.names import NAME_SCHEMA, name_problem, suggested_name
-from mlxppd.core.config.ports import DEFAULT_TRANSPORT_PORT_RANGE, TransportPortRangeField
+from mlxppd.core.config.ports import (
+    DEFAULT_TRANSPORT_PORT_RANGE,
+    TransportPortRangeField,
+    fill_node_ports,
+)
 from mlxppd.core.cpu_weights import CpuWeights, CpuWeightsField
 from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.layer_ranges import LayerRange, check_layer_ranges, even_split, parse_layer_range
@@ -175,6 +179,12 @@ class ClusterSection(_Strict):
         description="KV cache budget of each stage in bytes; unset means no limit "
         "(--kv-budget-bytes overrides it).",
     )
+    auto_prepare: bool = Field(
+        True,
+        description="At start, the coordinator ships the tensors a stage needs to stage nodes "
+        "that hold no copy of the model (mlxppctl prepare does it on demand, and also repairs "
+        "copies that differ).",
+    )
     cpu_weights: CpuWeightsField = Field(
         CpuWeights.AUTO,
         description="How stages on CPU hosts hold their weights: float32 (materialized at "
@@ -237,7 +247,10 @@ class Node(_Strict):
         json_schema_extra=NAME_SCHEMA,
     )
     address: str = Field(
-        ..., description="host:port other nodes connect to (IPv4, [IPv6]:port or hostname)."
+        ...,
+        description="host:port other nodes connect to (IPv4, [IPv6]:port or hostname); "
+        "without a port, the node's position in the file counted from the first port of "
+        "[cluster] transport_port_range.",
     )
     role: RoleField = Field(
         ...,
@@ -291,6 +304,16 @@ class ClusterConfig(_Strict):
         description="Every node: one hybrid coordinator, one node per (stage, rank), and any "
         "standby nodes.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _ports_from_the_range(cls, data: Any) -> Any:
+        # An address without a port takes one from [cluster] transport_port_range.
+        if isinstance(data, dict) and "nodes" in data and isinstance(data.get("cluster", {}), dict):
+            section = data.get("cluster", {})
+            ports = fill_node_ports(data.get("nodes"), section.get("transport_port_range"))
+            return {**data, "nodes": ports}
+        return data
 
     @model_validator(mode="after")
     def _topology_is_valid(self) -> ClusterConfig:

@@ -114,3 +114,50 @@ def choose_ports(
         "another or wider range and open it in the firewall",
         source=setting,
     )
+
+
+def _portless(address: str) -> bool:
+    """``host`` or ``[v6]`` with no ``:port`` (a bare IPv6 address is not accepted anyway)."""
+    text = address.strip()
+    if not text:
+        return False
+    if text.startswith("["):
+        return text.endswith("]")
+    return ":" not in text
+
+
+def fill_node_ports(nodes: object, range_text: object) -> object:
+    """A raw ``[[nodes]]`` list where each address written without a port gets one from the
+    transport port range: the node's position in the file, counted from the range's first
+    port, so every host reading the same file computes the same address. Anything else is
+    returned unchanged for the models to check."""
+    if not isinstance(nodes, list) or not any(
+        isinstance(n, dict) and isinstance(n.get("address"), str) and _portless(n["address"])
+        for n in nodes
+    ):
+        return nodes
+    try:
+        port_range = parse_port_range(str(range_text or DEFAULT_TRANSPORT_PORT_RANGE))
+    except ValueError:
+        return nodes  # the section's own validation names the bad range
+    filled = []
+    for index, node in enumerate(nodes):
+        if isinstance(node, dict) and isinstance(node.get("address"), str):
+            if _portless(node["address"]):
+                if index >= len(port_range):
+                    raise ValueError(
+                        f"node {node.get('id')!r} (node {index + 1} of the file) has no port "
+                        f'and {TRANSPORT_PORT_RANGE_SETTING} = "{port_range}" holds only '
+                        f"{len(port_range)}; give it a port or widen the range"
+                    )
+                node = {**node, "address": f"{node['address'].strip()}:{port_range.start + index}"}
+        filled.append(node)
+    return filled
+
+
+def with_range_port(address: str, range_text: str = DEFAULT_TRANSPORT_PORT_RANGE) -> str:
+    """``address`` as given, or with the range's first port when it has none (a zero-config
+    peer's ``HOST``: every host may use the same port)."""
+    if not _portless(address):
+        return address
+    return f"{address.strip()}:{parse_port_range(range_text).start}"

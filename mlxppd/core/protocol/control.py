@@ -17,6 +17,12 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, Field, TypeAdapter
 
 from mlxppd.core.kv_admission import AdmissionDiagnostic, RejectReason
+from mlxppd.core.protocol.model_transfer import (
+    Identify,
+    PrepareCheck,
+    PrepareCommit,
+    PrepareData,
+)
 from mlxppd.core.strict import StrictModel
 
 __all__ = [
@@ -197,7 +203,20 @@ class Heartbeat(StrictModel):
     op: Literal["heartbeat"] = "heartbeat"
 
 
-Command = Admit | Release | Configure | Status | TraceDump | Admission | Reassign | Heartbeat
+Command = (
+    Admit
+    | Release
+    | Configure
+    | Status
+    | TraceDump
+    | Admission
+    | Reassign
+    | Heartbeat
+    | Identify
+    | PrepareCheck
+    | PrepareData
+    | PrepareCommit
+)
 _CONTROL: TypeAdapter[Command] = TypeAdapter(Annotated[Command, Field(discriminator="op")])
 
 

@@ -124,6 +124,7 @@ def plan_cluster(
     num_stages: int,
     profile: ModelProfile,
     discovery_port: int = DEFAULT_DISCOVERY_PORT,
+    transport_backend: str = "tcp",
 ) -> ClusterConfig:
     """The cluster ``--pp-auto num_stages`` brings up: the coordinator at ``control_addr``, then
     one stage per peer in sorted address order, layers balanced over the peers' memory.
@@ -142,7 +143,7 @@ def plan_cluster(
     section = ClusterSection(
         name=name,
         pipeline_parallel_size=num_stages,
-        transport_backend="tcp",
+        transport_backend=transport_backend,
         layers=[str(r) for r in plan.ranges],
     )
     return ClusterConfig(cluster=section, nodes=nodes)

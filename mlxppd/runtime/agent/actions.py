@@ -38,14 +38,19 @@ from mlxppd.core.config.host import HostSettings
 from mlxppd.core.cpu_weights import float32_config
 from mlxppd.core.errors import TemporaryError
 from mlxppd.core.kv_admission import UNLIMITED_BYTES
+from mlxppd.core.model_identity import IdentityCheck
 from mlxppd.core.partition.launch import cluster_partition_plan, launch_warnings
 from mlxppd.core.profile.model import ModelConfig, profile_from_config
 from mlxppd.core.protocol.control import ReloadReport, StageExtras
 from mlxppd.core.stages import StageSpec
+from mlxppd.engine.prepared_copy import ModelReceiver
+from mlxppd.runtime.agent.model_place import ModelPlace
+from mlxppd.runtime.agent.prepare_job import PrepareJob, Preparer
 from mlxppd.runtime.observability.metrics import PipelineMetrics
 from mlxppd.runtime.pipeline.coordinator import Coordinator
 from mlxppd.runtime.pipeline.elastic_driver import ElasticDriver
 from mlxppd.runtime.pipeline.gated_backend import GatedBackend
+from mlxppd.runtime.pipeline.identity_check import ModelMismatch
 from mlxppd.runtime.pipeline.node_start import (
     CoordinatorSetup,
     StageSetup,
@@ -70,7 +75,14 @@ class AgentContext:
     host: HostSettings
     secret: ClusterSecret
     model_dir: Path
+    """the coordinator's tokenizer and the cluster's copy of the model"""
     model_config: ModelConfig
+    """config.json ({} while this host holds no copy)"""
+    place: ModelPlace
+
+
+def _call_in(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> None:
+    loop.call_soon_threadsafe(callback)
 
 
 def _spec(target: StageTarget) -> StageSpec:
@@ -92,8 +104,14 @@ class NodeRuntime:
         start_http: Callable[[GatedBackend, CoordinatorTarget], Any],
         metrics: PipelineMetrics | None = None,
         connect_timeout_s: float = 60.0,
+        on_model_installed: Callable[[], None] = lambda: None,
     ) -> None:
         self.mlx = mlx
+        # A prepared copy arrived on this node's stage: reload the files and reconcile.
+        self._on_model_installed = on_model_installed
+        self.preparer = Preparer(on_done=on_model_installed)
+        #: the coordinator's last check of every stage's model identity (status shows it)
+        self.identity_checks: list[IdentityCheck] = []
         self._tokenizer_loader = tokenizer_loader
         self._stage_extras = stage_extras
         self._start_http = start_http
@@ -173,11 +191,24 @@ class NodeRuntime:
     # -- stage ---------------------------------------------------------------------------------
 
     async def _start_stage(self, target: StageTarget, ctx: AgentContext) -> None:
+        place = ctx.place
+        loop = asyncio.get_running_loop()
+        receiver = ModelReceiver(
+            place.root,
+            place.configured,
+            place.cache_dir,
+            # commit runs in a worker thread; the agent reloads on its own loop
+            on_installed=lambda _identity: _call_in(loop, self._on_model_installed),
+        )
+        missing = None
+        if target.awaiting_model:
+            where = place.configured or place.root
+            missing = f"no model files at {where}"
         setup = StageSetup(
             cluster=ctx.cluster,
             node_id=target.node_id,
             secret=ctx.secret,
-            model_dir=ctx.model_dir,
+            model_dir=Path(target.model_files) if target.model_files else ctx.model_dir,
             model_config=ctx.model_config,
             spec=_spec(target),
             host=target.host,
@@ -186,6 +217,9 @@ class NodeRuntime:
             kv_budget_bytes=target.kv_budget_bytes,
             max_sequences=target.max_sequences,
             cpu_weights=target.cpu_weights,
+            digest_cache=place.cache_dir,
+            receiver=receiver,
+            missing_model=missing,
         )
         self.worker, _ = await start_stage_worker(setup, self.mlx, extras=self._stage_extras)
         self.stage = target
@@ -216,11 +250,12 @@ class NodeRuntime:
             spec = _spec(target)
             runner, per_token = await load_stage_runner(
                 self.mlx,
-                ctx.model_dir,
+                Path(target.model_files) if target.model_files else ctx.model_dir,
                 spec,
                 ctx.model_config,
                 reuse=worker.runner,
                 weights=target.cpu_weights,
+                digest_cache=ctx.place.cache_dir,
             )
             kv = stage_kv_manager(spec, per_token, target.kv_budget_bytes, target.max_sequences)
             loaded = time.monotonic()
@@ -300,10 +335,50 @@ class NodeRuntime:
             warmup=ctx.host.warmup,
             connect_timeout_s=self.connect_timeout_s,
             model_config=ctx.model_config,
+            model_dir=ctx.model_dir,
+            digest_cache=ctx.place.cache_dir,
         )
-        self.backend.coordinator = await start_pipeline_coordinator(
-            setup, self.backend.tokenizer, self.backend.model_id, self.metrics
+        try:
+            coordinator = await start_pipeline_coordinator(
+                setup, self.backend.tokenizer, self.backend.model_id, self.metrics
+            )
+        except ModelMismatch as exc:
+            self.identity_checks, self.backend.refusal = exc.checks, str(exc)
+            missing = {c.node for c in exc.checks if c.state == "missing"}
+            if missing and ctx.cluster.cluster.auto_prepare and self.preparer.may_auto():
+                self.start_prepare(ctx, nodes=missing, reason="auto: nodes hold no copy")
+            raise
+        self.backend.coordinator, self.backend.refusal = coordinator, None
+        self.identity_checks = coordinator.identity_checks
+
+    def start_prepare(
+        self,
+        ctx: AgentContext,
+        *,
+        nodes: set[str] | None = None,
+        max_rate_bytes_s: float | None = None,
+        reason: str = "operator",
+    ) -> dict[str, Any]:
+        """Ship stage nodes (``nodes``, None: all) what their layers need from this host's
+        copy, in the background (``mlxppctl prepare``; at start for nodes holding none)."""
+        target = self.coordinator
+        if target is None:
+            return {"accepted": False, "reason": "not_coordinator", "message": "not running"}
+        stage_nodes = ctx.cluster.stage_nodes()
+        n = len(target.layers)
+        targets = [
+            (node, StageSpec(i, n, r.start, r.end))
+            for i, (node, r) in enumerate(zip(stage_nodes, target.layers, strict=True))
+            if nodes is None or node.id in nodes
+        ]
+        transport = create_transport(
+            target.transport, wire_config_for(ctx.cluster, target.node_id, ctx.secret)
         )
+        job = PrepareJob(
+            targets, ctx.model_dir, dict(ctx.model_config), transport,
+            cache_dir=ctx.place.cache_dir, max_rate_bytes_s=max_rate_bytes_s, reason=reason,
+        )  # fmt: skip
+        return self.preparer.start(job)
 
     async def _close_pipeline(self) -> None:
         if self.backend is not None and self.backend.coordinator is not None:
@@ -357,6 +432,9 @@ class NodeRuntime:
             if self.driver is not None:
                 self.driver.reset_ranges(target.layers)
             await self._wait_for_stage_layers(live, target, ctx.host.drain_timeout_s + 60.0)
+            # Each stage reloaded from its own files: check what it serves now.
+            await live.verify_chain()
+            self.identity_checks = live.identity_checks
         finally:
             backend.release("replan")
 
@@ -381,6 +459,7 @@ class NodeRuntime:
 
     async def close(self, drain_timeout_s: float) -> None:
         """Drain and stop whatever runs (shutdown)."""
+        await self.preparer.close()
         with contextlib.suppress(Exception):
             await self._stop_coordinator(drain_timeout_s)
         with contextlib.suppress(Exception):

@@ -15,6 +15,7 @@ import logging
 import signal
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +25,13 @@ from mlxppd.core.agent.plan import CoordinatorTarget, DesiredState, plan
 from mlxppd.core.config.cluster import parse_cluster_config
 from mlxppd.core.config.host import CLUSTER_FILE, HOST_FILE, HostSettings, load_host_settings
 from mlxppd.core.errors import ConfigurationError, MlxppError
-from mlxppd.core.profile.model import read_model_config
 from mlxppd.core.protocol.control import StageExtras, clip
 from mlxppd.core.stages import StageSpec
-from mlxppd.engine.model_files import resolve_model_dir
+from mlxppd.engine.embedded import default_cache_dir
+from mlxppd.engine.prepared_copy import stage_model_dir
 from mlxppd.engine.tokenizer import load_tokenizer
 from mlxppd.runtime.agent.actions import AgentContext, NodeRuntime
+from mlxppd.runtime.agent.model_place import ModelPlace, locate_model
 from mlxppd.runtime.observability.metrics import PipelineMetrics
 from mlxppd.runtime.pipeline.gated_backend import GatedBackend
 from mlxppd.runtime.system.mlx_thread import MlxThread
@@ -54,7 +56,8 @@ def load_configuration(
 ) -> tuple[DesiredState, AgentContext]:
     """Every file of the config directory, checked and turned into a desired state.
 
-    ``model_dir``: the model already in use (a running agent cannot switch models)."""
+    ``model_dir``: the configured model directory already resolved (a running agent cannot
+    switch models; the embedded one is converted once)."""
     host = load_host_settings(config_dir, environ=environ, overrides=overrides)
     path = config_dir / CLUSTER_FILE
     try:
@@ -83,15 +86,29 @@ def load_configuration(
         config_dir=config_dir,
     )
     node = match_node(cluster, host.node_id, is_local)
-    if model_dir is None:
-        # A configured state_dir holds the model cache, unless MLXPP_MODEL_CACHE says otherwise.
-        cache = None
-        if "state_dir" in host.model_fields_set and not environ.get("MLXPP_MODEL_CACHE"):
-            cache = Path(host.state_dir) / "models"
-        model_dir = resolve_model_dir(host.model, cache_dir=cache)
-    config = read_model_config(model_dir)
-    desired = desired_state(cluster, host, node, config, config_generation(raw))
-    return desired, AgentContext(cluster, host, secret, model_dir, config)
+    # A configured state_dir holds the model cache, unless MLXPP_MODEL_CACHE says otherwise.
+    cache = default_cache_dir()
+    if "state_dir" in host.model_fields_set and not environ.get("MLXPP_MODEL_CACHE"):
+        cache = Path(host.state_dir) / "models"
+    place = locate_model(host.model, cache, known=model_dir)
+    desired = desired_state(cluster, host, node, place.config, config_generation(raw))
+    desired = _with_model_files(desired, place)
+    source = place.source or place.configured or place.root
+    context = AgentContext(cluster, host, secret, source, place.config or {}, place)
+    return desired, context
+
+
+def _with_model_files(desired: DesiredState, place: ModelPlace) -> DesiredState:
+    """The stage target with the directory its tensors come from: the prepared copy when it
+    covers the stage (and still verifies: a tampered one is refused here, never loaded)."""
+    target = desired.stage
+    if target is None or target.awaiting_model or place.config is None:
+        return desired
+    files = place.configured
+    if target.layers is not None:
+        spec = StageSpec(target.stage, target.num_stages, target.layers.start, target.layers.end)
+        files = stage_model_dir(place.configured, place.root, spec, place.config, place.cache_dir)
+    return replace(desired, stage=replace(target, model_files=str(files or "")))
 
 
 def _role(desired: DesiredState) -> str:
@@ -137,6 +154,7 @@ class Agent:
             stage_extras=self.stage_extras,
             start_http=lambda backend, target: http_starter(backend, target, self),
             metrics=metrics,
+            on_model_installed=self.trigger,
         )
         self.desired: DesiredState | None = None
         self.context: AgentContext | None = None
@@ -192,7 +210,7 @@ class Agent:
 
     def load(self) -> None:
         """Load the directory; on failure keep the previous desired state and record why."""
-        model_dir = self.context.model_dir if self.context is not None else None
+        model_dir = self.context.place.configured if self.context is not None else None
         try:
             desired, context = load_configuration(
                 self.config_dir, self._overrides, self._environ, self._is_local,
@@ -264,6 +282,10 @@ class Agent:
         generation = rt.generation or "-"
         if self.last_reconcile_error:
             return f"not converged (generation {generation}): {self.last_reconcile_error}"
+        if rt.stage is not None and rt.stage.awaiting_model:
+            return (
+                f"holding no copy of the model yet (mlxppctl prepare ships it), config {generation}"
+            )
         if rt.stage is not None and rt.stage.standby:
             return f"{_standby_line(rt.held_spec())}, config {generation}"
         if rt.stage is not None and rt.stage.layers is not None:

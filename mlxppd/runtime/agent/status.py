@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from mlxppd.core.agent.elastic import Trigger
 from mlxppd.core.agent.plan import StageAddress
+from mlxppd.core.model_identity import IdentityCheck
 from mlxppd.core.protocol.control import StageReport
 from mlxppd.runtime.pipeline.elastic_driver import ElasticDriver
 from mlxppd.runtime.pipeline.gated_backend import GatedBackend
@@ -45,6 +46,11 @@ class CoordinatorView:
     standbys: Callable[[], Sequence[StageAddress]] = lambda: ()
     #: the pre-launch warnings of the plan in force (mlxppd/core/partition/launch.py)
     warnings: Callable[[], Sequence[str]] = lambda: ()
+    #: the last identity check of every stage when the pipeline is not up (a refused one)
+    identity: Callable[[], Sequence[IdentityCheck]] = lambda: ()
+    #: the last prepare's progress (None: none ran), and how to start one (None: cannot)
+    prepare_status: Callable[[], dict[str, Any] | None] = lambda: None
+    prepare: Callable[[float | None, list[str] | None], dict[str, Any]] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -71,8 +77,10 @@ class CoordinatorAdmin:
         chain = live.chain_nodes() if live is not None else []
         nodes = [StageAddress(n.id, n.host, n.port) for n in chain] or list(view.stages())
         spares = {s.node_id for s in view.standbys()}
+        checks = {c.node: c for c in (live.identity_checks if live else None) or view.identity()}
         stages = [
             _card(i, s, reports.get(s.node_id), live, "standby" if s.node_id in spares else None)
+            | {"identity": _identity(checks.get(s.node_id))}
             for i, s in enumerate(nodes)
         ]
         standbys = [_standby_card(s, reports.get(s.node_id), live) for s in view.standbys()]
@@ -90,6 +98,7 @@ class CoordinatorAdmin:
             "reload_failures": view.reload_failures(),
             "failovers": [asdict(e) for e in live.failovers] if live is not None else [],
             "warnings": list(view.warnings()),
+            "prepare": view.prepare_status(),
         }
         if driver is not None:
             coordinator["elastic_enabled"] = driver.machine.policy.enabled
@@ -132,6 +141,17 @@ class CoordinatorAdmin:
             }
         return driver.trigger(Trigger.EXPLICIT, stage_memory=stage_memory, pp_layers=pp_layers)
 
+    async def prepare(
+        self, max_rate_bytes_s: float | None, nodes: list[str] | None
+    ) -> dict[str, Any]:
+        if self.view.prepare is None:
+            return {
+                "accepted": False,
+                "reason": "unsupported",
+                "message": "this coordinator does not ship models (run it under mlxppd agent)",
+            }
+        return self.view.prepare(max_rate_bytes_s, nodes)
+
     async def events(self, after: int) -> dict[str, Any]:
         driver = self.view.driver()
         if driver is None:
@@ -152,6 +172,18 @@ def _card(
         "transport_connected": live is not None and live.link_alive(stage.node_id),
     }
     return card | _reported(report)
+
+
+def _identity(check: IdentityCheck | None) -> dict[str, Any] | None:
+    """A stage's model identity as the coordinator last found it (null: not checked)."""
+    if check is None:
+        return None
+    return {
+        "state": check.state,
+        "detail": check.detail,
+        "expected_sha256": check.expected.tensors_sha256 if check.expected else None,
+        "actual_sha256": check.actual.tensors_sha256 if check.actual else None,
+    }
 
 
 def _standby_card(node: StageAddress, report: StageReport | None, live: Any) -> dict[str, Any]:
@@ -215,8 +247,18 @@ def agent_admin(agent: Agent) -> CoordinatorAdmin:
             reload_failures=lambda: agent.reload_failures,
             standbys=lambda: _standbys(agent),
             warnings=lambda: rt.partition_warnings,
+            identity=lambda: rt.identity_checks,
+            prepare_status=rt.preparer.status,
+            prepare=lambda rate, nodes: _prepare(agent, rate, nodes),
         )
     )
+
+
+def _prepare(agent: Agent, rate: float | None, nodes: list[str] | None) -> dict[str, Any]:
+    if agent.context is None:
+        return {"accepted": False, "reason": "starting", "message": "no configuration yet"}
+    wanted = set(nodes) if nodes else None
+    return agent.runtime.start_prepare(agent.context, nodes=wanted, max_rate_bytes_s=rate)
 
 
 def _standbys(agent: Agent) -> tuple[StageAddress, ...]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
@@ -44,27 +44,37 @@ class ControlClient:
         self._waiting: dict[int, asyncio.Future[Message]] = {}
 
     async def ask(
-        self, command: StrictModel, reply: type[ReplyT], *, timeout_s: float | None = None
+        self,
+        command: StrictModel,
+        reply: type[ReplyT],
+        *,
+        timeout_s: float | None = None,
+        payload: Any = None,
     ) -> ReplyT:
         """Send ``command`` and return its reply as a ``reply``.
 
         Raises ``TimeoutError`` when none came in time, ``ChannelClosedError`` (or whatever
         ``fail`` was given) when the channel went away, ``BadReplyError`` for a malformed one.
         """
-        answer = await self._exchange(command, timeout_s)
+        answer = await self._exchange(command, timeout_s, payload)
         return self._parse(answer, reply)
 
     async def ask_with_payload(
-        self, command: StrictModel, reply: type[ReplyT], *, timeout_s: float | None = None
+        self,
+        command: StrictModel,
+        reply: type[ReplyT],
+        *,
+        timeout_s: float | None = None,
+        payload: Any = None,
     ) -> tuple[ReplyT, bytes]:
         """``ask``, plus the reply's tensor bytes (empty when it has none)."""
-        answer = await self._exchange(command, timeout_s)
+        answer = await self._exchange(command, timeout_s, payload)
         payload = bytes(answer.tensor.data) if answer.tensor is not None else b""
         return self._parse(answer, reply), payload
 
-    async def tell(self, command: StrictModel) -> None:
-        """Send a command that has no reply (release)."""
-        await self.channel.send(MessageKind.CONTROL, command.model_dump(mode="json"))
+    async def tell(self, command: StrictModel, payload: Any = None) -> None:
+        """Send a command that has no reply (release; a prepare's data, ``payload``)."""
+        await self.channel.send(MessageKind.CONTROL, command.model_dump(mode="json"), payload)
 
     def deliver(self, message: Message) -> bool:
         """Hand a received REPLY to the request waiting for it; False when none waits."""
@@ -92,13 +102,15 @@ class ControlClient:
         except (ChannelClosedError, FrameError) as exc:
             self.fail(exc)
 
-    async def _exchange(self, command: StrictModel, timeout_s: float | None) -> Message:
+    async def _exchange(
+        self, command: StrictModel, timeout_s: float | None, payload: Any = None
+    ) -> Message:
         rid = next(self._rids) & _MAX_RID
         future: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
         self._waiting[rid] = future
         try:
             meta = command.model_copy(update={"rid": rid}).model_dump(mode="json")
-            await self.channel.send(MessageKind.CONTROL, meta)
+            await self.channel.send(MessageKind.CONTROL, meta, payload)
             async with asyncio.timeout(self.timeout_s if timeout_s is None else timeout_s):
                 return await future
         finally:

@@ -27,6 +27,7 @@ import numpy as np
 from mlxppd.core.config.cluster import ClusterConfig, Node
 from mlxppd.core.errors import TemporaryError
 from mlxppd.core.layer_ranges import LayerRange
+from mlxppd.core.model_identity import IdentityCheck
 from mlxppd.core.protocol.control import (
     Ack,
     Configure,
@@ -55,6 +56,7 @@ from mlxppd.runtime.pipeline.failover import (
     PipelineInterrupted,
     Recovery,
 )
+from mlxppd.runtime.pipeline.identity_check import IdentityReference
 from mlxppd.runtime.pipeline.micro_batcher import MicroBatcher
 from mlxppd.runtime.pipeline.stage_link import StageLink
 from mlxppd.runtime.pipeline.stage_ops import StageOps
@@ -85,8 +87,12 @@ class Coordinator(StageOps):
         trace_path: Path | None = None,
         plan: tuple[LayerRange, ...] | None = None,
         failover: FailoverSettings | None = None,
+        identity: IdentityReference | None = None,
     ) -> None:
         self.cluster = cluster
+        # The cluster's copy: stages are checked against it (stage_ops.verify_identities).
+        self.identity = identity
+        self.identity_checks: list[IdentityCheck] = []
         # None: a lost stage fails every open request (as without [cluster.failover]).
         self.failover = failover
         self._recovery: asyncio.Task[None] | None = None
@@ -176,7 +182,9 @@ class Coordinator(StageOps):
         await stop_tasks(*(link.reader for link in links), cancel=False, ignore_errors=True)
 
     async def configure_chain(self, links: list[StageLink]) -> None:
-        """Tell each stage where its output goes (and how often to say it is alive)."""
+        """Tell each stage where its output goes (and how often to say it is alive), once
+        every stage has shown it serves the cluster's model."""
+        await self.verify_identities(links)
         f = self.failover
         for i, link in enumerate(links):
             nxt = links[i + 1].node if i + 1 < len(links) else None

@@ -31,6 +31,8 @@ class GatedBackend:
         self.coordinator: Coordinator | None = None
         self._holds: dict[str, str] = {}  # why admissions are held -> sentence for clients
         self.in_flight = 0
+        #: why the pipeline was refused (a stage serving another model), while it is
+        self.refusal: str | None = None
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -76,7 +78,9 @@ class GatedBackend:
 
     def health(self) -> Health:
         if self.coordinator is None:
-            return Health(ready=False, detail="starting: the pipeline is not connected yet")
+            return Health(
+                ready=False, detail=self.refusal or "starting: the pipeline is not connected yet"
+            )
         health = self.coordinator.health()
         if health.ready and self._holds:
             detail = next(iter(self._holds.values()))
@@ -90,7 +94,8 @@ class GatedBackend:
             raise AdmissionClosed(next(iter(self._holds.values())), DRAIN_RETRY_AFTER_S)
         coordinator = self.coordinator
         if coordinator is None:
-            raise AdmissionClosed("the pipeline is connecting; retry shortly", DRAIN_RETRY_AFTER_S)
+            why = self.refusal or "the pipeline is connecting; retry shortly"
+            raise AdmissionClosed(why, DRAIN_RETRY_AFTER_S)
         self.in_flight += 1
         self._idle.clear()
         try:

@@ -20,10 +20,12 @@ from mlxppd.core.cpu_weights import CpuWeights
 from mlxppd.core.layer_ranges import LayerRange
 from mlxppd.core.protocol.control import StageExtras
 from mlxppd.core.stages import StageSpec
+from mlxppd.engine.prepared_copy import ModelReceiver
 from mlxppd.engine.stage_runner import StageRunner
 from mlxppd.runtime.observability.metrics import PipelineMetrics
 from mlxppd.runtime.pipeline.coordinator import Coordinator
 from mlxppd.runtime.pipeline.failover import FailoverSettings, survivors_replan
+from mlxppd.runtime.pipeline.identity_check import IdentityReference
 from mlxppd.runtime.pipeline.stage_loader import layer_preparer, load_stage_runner, stage_kv_manager
 from mlxppd.runtime.pipeline.stage_worker import StageWorker
 from mlxppd.runtime.system.mlx_thread import MlxThread
@@ -52,6 +54,12 @@ class StageSetup:
     max_sequences: int
     """sequences the stage holds KV for"""
     cpu_weights: CpuWeights
+    digest_cache: Path | None = None
+    """where digests of model files are cached (the model cache); None: hash every time"""
+    receiver: ModelReceiver | None = None
+    """where ``mlxppctl prepare`` puts what it ships (None: this node takes nothing)"""
+    missing_model: str | None = None
+    """why this node has no model files yet: it listens holding no layers until prepared"""
 
 
 async def start_stage_worker(
@@ -66,23 +74,35 @@ async def start_stage_worker(
     per_token = 0
     if not spec.is_standby:  # a standby loads a lost stage's layers when it adopts them
         runner, per_token = await load_stage_runner(
-            mlx, setup.model_dir, spec, setup.model_config, weights=setup.cpu_weights
-        )
+            mlx, setup.model_dir, spec, setup.model_config, weights=setup.cpu_weights,
+            digest_cache=setup.digest_cache,
+        )  # fmt: skip
     kv = stage_kv_manager(spec, per_token, setup.kv_budget_bytes, setup.max_sequences)
     transport = create_transport(
         setup.transport, wire_config_for(setup.cluster, setup.node_id, setup.secret)
     )
-    prepare = layer_preparer(
-        mlx,
-        setup.model_dir,
-        setup.model_config,
-        setup.kv_budget_bytes,
-        setup.max_sequences,
-        setup.cpu_weights,
-    )
-    worker = StageWorker(spec, runner, kv, transport, mlx, extras=extras, prepare_layers=prepare)
+    prepare = None
+    if setup.missing_model is None:
+        prepare = layer_preparer(
+            mlx,
+            setup.model_dir,
+            setup.model_config,
+            setup.kv_budget_bytes,
+            setup.max_sequences,
+            setup.cpu_weights,
+            setup.digest_cache,
+        )
+    worker = StageWorker(
+        spec, runner, kv, transport, mlx, extras=extras, prepare_layers=prepare,
+        receiver=setup.receiver, missing_model=setup.missing_model,
+    )  # fmt: skip
     address = await worker.start(setup.host, setup.port)
-    if runner is None:
+    if setup.missing_model is not None:
+        log.warning(
+            "%s listening on %s:%d without the model (%s); waiting for mlxppctl prepare",
+            setup.node_id, *address, setup.missing_model,
+        )  # fmt: skip
+    elif runner is None:
         log.info("standby %s listening on %s:%d, holding no layers", setup.node_id, *address)
     else:
         log.info(
@@ -112,6 +132,11 @@ class CoordinatorSetup:
     connect_timeout_s: float = 60.0
     model_config: dict[str, Any] | None = None
     """the model's config.json: with it, a lost stage's layers may go to the survivors"""
+    model_dir: Path | None = None
+    """the coordinator's copy of the model: with it (and model_config), every stage's
+    identity is checked against it"""
+    digest_cache: Path | None = None
+    """where digests of model files are cached (the model cache)"""
 
 
 async def start_pipeline_coordinator(
@@ -138,6 +163,11 @@ async def start_pipeline_coordinator(
         failover=FailoverSettings.from_policy(
             setup.cluster.cluster.failover,
             survivors_replan(setup.model_config) if setup.model_config is not None else None,
+        ),
+        identity=(
+            IdentityReference(setup.model_dir, setup.model_config, setup.digest_cache)
+            if setup.model_dir is not None and setup.model_config is not None
+            else None
         ),
     )
     try:

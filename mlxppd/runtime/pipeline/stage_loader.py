@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from mlxppd.engine.blas import blas_in_use
 from mlxppd.engine.families.base import text_config
 from mlxppd.engine.kv_sizing import kv_bytes_per_token
 from mlxppd.engine.stage import load_stage
+from mlxppd.engine.stage_digest import stage_identity
 from mlxppd.engine.stage_runner import StageRunner
 from mlxppd.runtime.system.mlx_thread import MlxThread
 
@@ -38,15 +40,19 @@ async def load_stage_runner(
     *,
     reuse: StageRunner | None = None,
     weights: CpuWeights = CpuWeights.AUTO,
+    digest_cache: Path | None = None,
 ) -> tuple[StageRunner, int]:
     """The stage's runner and its KV bytes per token, loaded on the mlx thread.
 
     ``reuse``: the runner being replaced; its tensors for layers the new spec keeps are taken
-    over, so only the gained layers are read (``runner.stage.loaded_tensors`` counts them)."""
+    over, so only the gained layers are read (``runner.stage.loaded_tensors`` counts them).
+    The stage's identity is taken from the same files (``engine/stage_digest.py``; hashes
+    cached in ``digest_cache``)."""
 
     def load() -> tuple[StageRunner, int]:
         old = reuse.stage if reuse is not None else None
         stage = load_stage(model_dir, spec, config, reuse=old, weights_mode=weights)
+        stage = replace(stage, identity=stage_identity(model_dir, spec, config, digest_cache))
         log.info(
             "stage %d: layers %d-%d, %.1f MB of parameters, weights %s, BLAS %s",
             spec.index, spec.start, spec.end - 1, stage.parameter_bytes / 1e6,
@@ -65,6 +71,7 @@ def layer_preparer(
     budget_bytes: int | None,
     max_sequences: int,
     weights: CpuWeights = CpuWeights.AUTO,
+    digest_cache: Path | None = None,
 ) -> Callable[
     [StageSpec, StageRunner | None], Awaitable[tuple[StageRunner, StageKvManager, LayerLoad]]
 ]:
@@ -75,8 +82,9 @@ def layer_preparer(
     ) -> tuple[StageRunner, StageKvManager, LayerLoad]:
         started = time.monotonic()
         runner, per_token = await load_stage_runner(
-            mlx, model_dir, spec, config, reuse=current, weights=weights
-        )
+            mlx, model_dir, spec, config, reuse=current, weights=weights,
+            digest_cache=digest_cache,
+        )  # fmt: skip
         kv = stage_kv_manager(spec, per_token, budget_bytes, max_sequences)
         load = LayerLoad(
             layers=(spec.start, spec.end),

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from mlxppd.core.errors import TemporaryError
 from mlxppd.core.kv_admission import AdmissionDiagnostic, RejectReason
 from mlxppd.core.layer_ranges import LayerRange
+from mlxppd.core.model_identity import IdentityCheck
 from mlxppd.core.protocol.control import (
     Ack,
     Admission,
@@ -37,6 +38,12 @@ from mlxppd.runtime.pipeline.backend import (
     BackendUnavailable,
     RequestRefused,
     SamplingParams,
+)
+from mlxppd.runtime.pipeline.identity_check import (
+    IdentityReference,
+    ModelMismatch,
+    check_links,
+    refuse_mismatches,
 )
 from mlxppd.runtime.pipeline.stage_link import StageLink
 from mlxppd.runtime.pipeline.stage_trace import stage_trace_events
@@ -70,6 +77,8 @@ class StageOps:
     _broken: str | None
     _trace_file: TraceFile | None
     failover: Any
+    identity: IdentityReference | None
+    identity_checks: list[IdentityCheck]
 
     if TYPE_CHECKING:  # provided by Coordinator: how a link's failure is handled
 
@@ -82,6 +91,11 @@ class StageOps:
 
         def _answering(self, link: StageLink) -> Any: ...
 
+        async def ask(
+            self, link: StageLink, command: StrictModel, reply: type[ReplyT],
+            timeout_s: float = ...,
+        ) -> ReplyT: ...  # fmt: skip
+
     async def align_stages(self, timeout_s: float = 600.0) -> bool:
         """Bring every stage to ``plan`` (after a reconnect, stages may still hold the ranges
         of an earlier elastic repartition). True when something had to move."""
@@ -93,6 +107,14 @@ class StageOps:
             return False
         await self.move_stages(self.plan, timeout_s)
         return True
+
+    async def verify_identities(self, links: list[StageLink]) -> None:
+        """Compare what each stage serves with the cluster's copy; ModelMismatch if any
+        differs, holds none, or cannot run the family."""
+        if self.identity is None:
+            return
+        self.identity_checks = await check_links(self.identity, links, self.ask)
+        refuse_mismatches(self.identity_checks)
 
     async def move_stages(
         self, target: tuple[LayerRange, ...], prepare_timeout_s: float
@@ -118,7 +140,17 @@ class StageOps:
                 f"a stage failed to switch layers: {failed}", failed, committed=True
             )
         self.plan = target
+        await self.verify_chain()
         return replies
+
+    async def verify_chain(self) -> None:
+        """Check every stage of the chain again (after a layer move or a stage's reload);
+        layers that are not the cluster's break the pipeline: nothing is served from them."""
+        try:
+            await self.verify_identities(self._links)
+        except ModelMismatch as exc:
+            self._broken = str(exc)
+            raise
 
     async def _poll_stages(self, every_s: float = 1.0) -> None:
         """Stage reports for the metrics: one scrape of the coordinator covers the cluster."""

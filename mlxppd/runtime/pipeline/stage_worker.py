@@ -37,6 +37,12 @@ from mlxppd.core.protocol.control import (
     clip,
     parse_control,
 )
+from mlxppd.core.protocol.model_transfer import (
+    Identify,
+    PrepareCheck,
+    PrepareCommit,
+    PrepareData,
+)
 from mlxppd.core.protocol.pipeline import (
     BatchForwardMeta,
     BatchTokenMeta,
@@ -47,10 +53,12 @@ from mlxppd.core.protocol.pipeline import (
 )
 from mlxppd.core.stage_accounting import ActivityClock, LatencyHistogram
 from mlxppd.core.stages import StageSpec
+from mlxppd.engine.prepared_copy import ModelReceiver
 from mlxppd.engine.stage_runner import StageRunner
 from mlxppd.engine.wire_tensors import from_wire, to_wire
 from mlxppd.runtime.observability.trace import TraceBuffer, now_us
 from mlxppd.runtime.pipeline.stage_control import ProtocolViolation, StageControl, send_reply
+from mlxppd.runtime.pipeline.stage_model import StageModel
 from mlxppd.runtime.pipeline.stage_work import (
     ExtrasSource,
     ForwardWork,
@@ -73,7 +81,7 @@ from mlxppd.wire.transport import Listener, Transport
 log = logging.getLogger("mlxppd.stage")
 
 
-class StageWorker(StageControl):
+class StageWorker(StageControl, StageModel):
     def __init__(
         self,
         spec: StageSpec,
@@ -84,6 +92,8 @@ class StageWorker(StageControl):
         *,
         extras: ExtrasSource | None = None,
         prepare_layers: PrepareLayers | None = None,
+        receiver: ModelReceiver | None = None,
+        missing_model: str | None = None,
     ) -> None:
         self.spec = spec
         self.runner = runner
@@ -105,6 +115,10 @@ class StageWorker(StageControl):
         # What the agent adds to each status report (config generation, reload error, ...).
         self._extras = extras or StageExtras
         self._prepare_layers = prepare_layers
+        # Where mlxppctl prepare's tensors go (None: this node takes none), and why this node
+        # serves nothing yet when its model files are missing.
+        self.receiver = receiver
+        self.missing_model = missing_model
         self._staged: tuple[StageSpec, StageRunner, StageKvManager] | None = None
         self._side_tasks = TaskSet()
         self.elastic_state = "idle"
@@ -247,6 +261,10 @@ class StageWorker(StageControl):
         elif isinstance(command, Reassign):
             # Loading takes long; this channel keeps answering status meanwhile.
             self._side_tasks.spawn(self._reassign(channel, command), name="stage-reassign")
+        elif isinstance(command, Identify):
+            await send_reply(channel, self.identify(command.rid))
+        elif isinstance(command, PrepareCheck | PrepareData | PrepareCommit):
+            await self._model_command(channel, command, message.tensor)
         elif isinstance(command, Heartbeat):
             pass  # receiving it was the point: the deadline in _receive starts again
         elif isinstance(command, TraceDump):

@@ -65,17 +65,18 @@ from mlxppd.wire.discovery import (
     collect_peers,
     send_beacons,
 )
-from mlxppd.wire.errors import ChannelClosedError, FrameError
+from mlxppd.wire.errors import ChannelClosedError, FrameError, VersionMismatchError
 from mlxppd.wire.secret import ClusterSecret, load_cluster_secret
 from mlxppd.wire.tasks import spawn, stop_tasks
 from mlxppd.wire.tcp import TcpTransport
 from mlxppd.wire.transport import WireConfig
+from mlxppd.wire.version import PROTOCOL_VERSION
 
 log = logging.getLogger("mlxppd.zeroconf")
 
 COORDINATOR_ID = "coordinator"
 PEER_ID = "peer"
-DEFAULT_CONTROL_PORT = 19000
+DEFAULT_CONTROL_PORT = 39600  # the default transport port range's first
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,8 @@ class ZeroConfig:
     dry_run: bool = False
     discovery_timeout_s: float = 120.0
     """seconds to wait for peers (beacons, or static peers still starting)"""
+    transport_backend: str = "tcp"
+    """--transport-backend: how the stages talk (tcp, thunderbolt, rdma)"""
     reply_timeout_s: float = 60.0
 
 
@@ -120,6 +123,7 @@ class _Peer:
     address: str
     control: ControlClient
     reader: asyncio.Task[None] | None = field(default=None)
+    memory_bytes: int | None = None
 
     @classmethod
     def start(cls, address: str, channel: SecureChannel, timeout_s: float) -> _Peer:
@@ -167,6 +171,58 @@ async def _resolve_peers(z: ZeroConfig, secret: ClusterSecret) -> list[str]:
     return [b.address for b in beacons]
 
 
+@dataclass
+class PeerVersions:
+    """What each peer runs, for the dry run: a note per peer, a problem per mismatch."""
+
+    notes: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+
+async def _hello(
+    transport: TcpTransport, address: str, deadline: float, z: ZeroConfig, versions: PeerVersions
+) -> _Peer | None:
+    """A peer's channel and its description; None when a dry run could not reach it (a real
+    bring-up raises, naming the peer and what to check)."""
+    try:
+        channel = await _connect(transport, address, deadline, retry=True)
+    except VersionMismatchError as exc:
+        if not z.dry_run:
+            raise
+        versions.problems.append(f"peer {address}: {exc}")
+        return None
+    except PeerRefusedError as exc:
+        # A peer that fails the handshake (another secret) is never offered anything.
+        raise PeerRefusedError(
+            f"peer {address} refused the handshake: {exc}; it holds another cluster "
+            "secret or --cluster-name"
+        ) from None
+    except (TemporaryError, OSError) as exc:
+        if not z.dry_run:
+            raise TemporaryError(
+                f"peer {address} did not answer: {exc}; check that `mlxppd serve "
+                "--pp-peer` runs there and that its --cluster-control-addr matches"
+            ) from None
+        return None
+    peer = _Peer.start(address, channel, z.reply_timeout_s)
+    try:
+        # What a peer reports is bounded (HelloReply) before it is used.
+        hello = await peer.control.ask(Hello(), HelloReply)
+    except BadReplyError as exc:
+        await peer.close()
+        raise PeerRefusedError(f"peer {address}: {exc}") from None
+    peer.memory_bytes = hello.memory_bytes
+    versions.notes.append(
+        f"peer {address} runs mlxpp {hello.version}, wire protocol {PROTOCOL_VERSION}"
+    )
+    if hello.version != __version__:
+        versions.problems.append(
+            f"peer {address} runs mlxpp {hello.version}, this node {__version__}; install the "
+            "same version on every host"
+        )
+    return peer
+
+
 async def coordinate(options: NodeOptions, z: ZeroConfig, out: Any = None) -> NodeOptions | int:
     """Plan and assign. Returns the options ``run_coordinator_node`` needs, or (dry run) an
     exit status."""
@@ -184,38 +240,22 @@ async def coordinate(options: NodeOptions, z: ZeroConfig, out: Any = None) -> No
     deadline = time.monotonic() + (3.0 if z.dry_run else z.discovery_timeout_s)
     peers: list[_Peer] = []
     infos: list[PeerInfo] = []
+    versions = PeerVersions()
     try:
         # Duplicates are an error (sort_peers names them), not silently merged.
         for address in [p.address for p in sort_peers([PeerInfo(a) for a in addresses])]:
-            try:
-                channel = await _connect(transport, address, deadline, retry=True)
-            except PeerRefusedError as exc:
-                # A peer that fails the handshake (another secret) is never offered anything.
-                raise PeerRefusedError(
-                    f"peer {address} refused the handshake: {exc}; it holds another cluster "
-                    "secret or --cluster-name"
-                ) from None
-            except (TemporaryError, OSError) as exc:
-                if not z.dry_run:
-                    raise TemporaryError(
-                        f"peer {address} did not answer: {exc}; check that `mlxppd serve "
-                        "--pp-peer` runs there and that its --cluster-control-addr matches"
-                    ) from None
+            peer = await _hello(transport, address, deadline, z, versions)
+            if peer is None:
                 infos.append(PeerInfo(address, None, reachable=False))
                 continue
-            peer = _Peer.start(address, channel, z.reply_timeout_s)
             peers.append(peer)
-            try:
-                # What a peer reports is bounded (HelloReply) before it is used.
-                hello = await peer.control.ask(Hello(), HelloReply)
-            except BadReplyError as exc:
-                raise PeerRefusedError(f"peer {address}: {exc}") from None
-            infos.append(PeerInfo(address, hello.memory_bytes))
+            infos.append(PeerInfo(address, peer.memory_bytes))
         if z.dry_run:
-            return _dry_run(options, z, control, config_out, infos, peer_notes(infos), profile, out)
+            notes = peer_notes(infos) + versions.notes
+            return _dry_run(options, z, control, config_out, infos, notes, profile, out, versions)
         plan = plan_cluster(
             name=z.cluster_name, control_addr=control, peers=infos,
-            num_stages=z.num_stages, profile=profile,
+            num_stages=z.num_stages, profile=profile, transport_backend=z.transport_backend,
         )  # fmt: skip
         text = render_cluster_toml(plan)
         await _assign(plan, text, peers, identity)
@@ -229,25 +269,28 @@ async def coordinate(options: NodeOptions, z: ZeroConfig, out: Any = None) -> No
 
 def _dry_run(
     options: NodeOptions, z: ZeroConfig, control: str, config_out: Path,
-    infos: list[PeerInfo], notes: list[str], profile: Any, out: Any,
+    infos: list[PeerInfo], notes: list[str], profile: Any, out: Any, versions: PeerVersions,
 ) -> int:  # fmt: skip
     assert z.num_stages is not None
     http = f"{options.host}:{options.port}"
     mine = [control] + ([http] if http != control else [])
     # Only the coordinator's own addresses: a peer on this host holds its port by right.
     bound = [a for a in mine if _bound_here(a)]
-    problems = dry_run_problems(
-        num_stages=z.num_stages,
-        peers_resolved=len(infos),
-        control_addr=control,
-        http_addr=http,
-        bound_ports=bound,
-        discovery_port=z.discovery_port,
+    problems = (
+        dry_run_problems(
+            num_stages=z.num_stages,
+            peers_resolved=len(infos),
+            control_addr=control,
+            http_addr=http,
+            bound_ports=bound,
+            discovery_port=z.discovery_port,
+        )
+        + versions.problems
     )
     if len(infos) == z.num_stages:
         plan = plan_cluster(
             name=z.cluster_name, control_addr=control, peers=infos,
-            num_stages=z.num_stages, profile=profile,
+            num_stages=z.num_stages, profile=profile, transport_backend=z.transport_backend,
         )  # fmt: skip
         _write(config_out, render_cluster_toml(plan))
         print(topology_summary(plan, str(config_out.resolve()), notes), file=out, flush=True)

@@ -1,0 +1,349 @@
+"""A node's prepared copy: the tensors ``mlxppctl prepare`` shipped it, verified, on disk.
+
+Layout under ``<model cache>/prepared/<model name>/``:
+
+```
+current/            the installed copy: config.json, model.safetensors, prepared.json
+incoming/           a transfer in progress: plan.json (the tensors to receive, in order) and
+                    data.part (their bytes back to back, as received so far)
+```
+
+A transfer appends to ``data.part``; an interrupted one resumes where the file ends, so no
+byte is sent twice. Commit hashes every received tensor against the cluster's record: one that
+differs is dropped (with everything after it) and nothing is installed. The copy is built in a
+sibling directory (the tensors this node already held, copied locally, plus the received ones)
+and renamed into place, then hashed again from disk. A stage loads from ``current/`` only when
+every tensor it needs is there and still matches ``prepared.json`` (``stage_model_dir``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mlxppd.core.errors import ConfigurationError
+from mlxppd.core.model_identity import (
+    StageIdentity,
+    TensorRecord,
+    Triage,
+    identity_of,
+    triage,
+)
+from mlxppd.core.protocol.model_transfer import (
+    MAX_CHUNK_BYTES,
+    PrepareManifest,
+    PrepareResult,
+    PrepareState,
+)
+from mlxppd.core.stages import StageSpec
+from mlxppd.engine.stage_digest import (
+    StoredTensor,
+    hash_range,
+    stage_wanted,
+    stored_tensors,
+)
+
+log = logging.getLogger("mlxppd.prepare")
+
+_COPY_CHUNK = 4 << 20
+
+
+def prepared_root(cache_dir: Path, model_name: str) -> Path:
+    return cache_dir / "prepared" / model_name
+
+
+@dataclass(frozen=True)
+class PreparedInfo:
+    layers: tuple[int, int]
+    stage: int
+    num_stages: int
+    records: dict[str, TensorRecord]
+
+    def covers(self, spec: StageSpec) -> bool:
+        """Every tensor ``spec`` owns is in this copy (its layers, and the ends it needs)."""
+        first, last = self.stage == 0, self.stage == self.num_stages - 1
+        return (
+            self.layers[0] <= spec.start
+            and spec.end <= self.layers[1]
+            and (first or not spec.has_embedding)
+            and (last or not spec.has_lm_head)
+        )
+
+
+def read_prepared(copy: Path) -> PreparedInfo | None:
+    """The installed copy's description, or None when there is none (or it is unreadable)."""
+    try:
+        data = json.loads((copy / "prepared.json").read_text())
+        records = [TensorRecord.model_validate(r) for r in data["records"]]
+        start, end = (int(x) for x in data["layers"])
+        return PreparedInfo(
+            (start, end), int(data["stage"]), int(data["num_stages"]), {r.name: r for r in records}
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def has_model(path: Path | None) -> bool:
+    return path is not None and (path / "config.json").is_file()
+
+
+def stage_model_dir(
+    configured: Path | None,
+    root: Path | None,
+    spec: StageSpec,
+    config: dict[str, Any],
+    cache_dir: Path | None = None,
+) -> Path:
+    """Where stage ``spec`` reads its tensors: the prepared copy when it covers the stage's
+    layers (and still matches the digests verified when it was installed), else the configured
+    directory. A prepared copy that fails its digests is refused with a sentence, never loaded."""
+    copy = root / "current" if root is not None else None
+    info = read_prepared(copy) if copy is not None else None
+    if copy is None or info is None or not info.covers(spec):
+        if not has_model(configured):
+            held = f" (its prepared copy covers layers {info.layers})" if info else ""
+            raise ConfigurationError(
+                f"this node holds no copy of the model for layers {spec.start}-{spec.end - 1}"
+                f"{held}; run `mlxppctl prepare` on the coordinator's host to ship it"
+            )
+        assert configured is not None
+        return configured
+    wanted = stage_wanted(spec, config)
+    on_disk = stored_tensors(copy, wanted, cache_dir)
+    for name, record in info.records.items():
+        stored = on_disk.get(name)
+        if wanted(name) and (stored is None or stored.record != record):
+            raise ConfigurationError(
+                f"the prepared copy's tensor {name} no longer matches the digest verified when "
+                "it was installed; it is not loaded. Run `mlxppctl prepare` again to replace it",
+                source=str(copy),
+            )
+    return copy
+
+
+class TransferError(Exception):
+    """A received transfer failed verification (reported to the sender, nothing installed)."""
+
+
+class ModelReceiver:
+    """The receiving end of ``mlxppctl prepare`` on one node."""
+
+    def __init__(
+        self,
+        root: Path,
+        configured: Path | None,
+        cache_dir: Path | None = None,
+        on_installed: Callable[[StageIdentity], None] | None = None,
+    ) -> None:
+        self.root = root
+        self.configured = configured
+        self.cache_dir = cache_dir
+        self.on_installed = on_installed
+        self._manifest: PrepareManifest | None = None
+        self._needed: list[TensorRecord] = []
+        self._local: dict[str, StoredTensor] = {}
+        self._total = 0
+        #: bytes received by this process (progress), and bytes found from an earlier try
+        self.received = 0
+        self.resumed = 0
+
+    @property
+    def incoming(self) -> Path:
+        return self.root / "incoming"
+
+    @property
+    def part(self) -> Path:
+        return self.incoming / "data.part"
+
+    def _local_tensors(self, wanted: Callable[[str], bool]) -> list[dict[str, StoredTensor]]:
+        found = []
+        for source in (self.root / "current", self.configured):
+            if source is not None and source.is_dir():
+                try:
+                    found.append(stored_tensors(source, wanted, self.cache_dir))
+                except ConfigurationError as exc:
+                    log.warning("prepare: ignoring %s: %s", source, exc)
+        return found
+
+    def check(self, manifest: PrepareManifest) -> tuple[PrepareState, list[str]]:
+        """Which of the manifest's tensors this node lacks, and what an earlier try left."""
+        names = {r.name for r in manifest.records}
+        best: dict[str, StoredTensor] = {}
+        expected = {r.name: r for r in manifest.records}
+        for held in self._local_tensors(names.__contains__):
+            for name, stored in held.items():
+                if name not in best or stored.record == expected[name]:
+                    best[name] = stored
+        found: Triage = triage(manifest.records, {n: s.record for n, s in best.items()})
+        self._manifest = manifest
+        self._local = {n: best[n] for n in found.present}
+        self._needed = [expected[n] for n in found.needed]
+        self._total = sum(r.nbytes for r in self._needed)
+        self.received = 0
+        self.resumed = self._resume_point()
+        state = PrepareState(
+            state=found.state,
+            present=len(found.present),
+            missing=len(found.missing),
+            mismatched=len(found.mismatched),
+            needed_bytes=self._total,
+            have_bytes=self.resumed,
+        )
+        return state, [r.name for r in self._needed]
+
+    def _resume_point(self) -> int:
+        """Bytes of this same plan already in data.part; a different plan starts over."""
+        plan = [r.model_dump() for r in self._needed]
+        plan_file = self.incoming / "plan.json"
+        try:
+            same = json.loads(plan_file.read_text()) == plan
+        except (OSError, ValueError):
+            same = False
+        if same and self.part.is_file():
+            have = min(self.part.stat().st_size, self._total)
+            with self.part.open("r+b") as f:
+                f.truncate(have)
+            return have
+        shutil.rmtree(self.incoming, ignore_errors=True)
+        if not self._needed:
+            return 0
+        self.incoming.mkdir(parents=True, exist_ok=True)
+        _write_atomic(plan_file, json.dumps(plan).encode())
+        self.part.write_bytes(b"")
+        return 0
+
+    def write(self, offset: int, data: bytes) -> None:
+        """Append ``data``, which the sender placed at ``offset`` of the planned stream."""
+        if self._manifest is None:
+            raise ValueError("data before a prepare check")
+        if len(data) > MAX_CHUNK_BYTES:
+            raise ValueError(f"a chunk of {len(data)} bytes; at most {MAX_CHUNK_BYTES}")
+        size = self.part.stat().st_size
+        if offset != size or offset + len(data) > self._total:
+            raise ValueError(
+                f"data at offset {offset} (+{len(data)} bytes); expected {size}, "
+                f"stream of {self._total}"
+            )
+        with self.part.open("ab") as f:
+            f.write(data)
+        self.received += len(data)
+
+    def commit(self) -> PrepareResult:
+        """Verify what arrived, install the copy, hash it again from disk."""
+        manifest = self._manifest
+        if manifest is None:
+            raise ValueError("commit before a prepare check")
+        try:
+            offsets = self._verify_received()
+            copy = self._install(manifest, offsets)
+        except TransferError as exc:
+            log.error("prepare: %s", exc)
+            return PrepareResult(ok=False, error=str(exc)[:600])
+        shutil.rmtree(self.incoming, ignore_errors=True)
+        self._manifest = None
+        records = list(stored_tensors(copy, lambda _n: True, None).values())
+        identity = identity_of((s.record for s in records), manifest.config, manifest.layers)
+        log.info(
+            "prepare: installed %d tensors (%d received, %.1f MB) at %s; sha256 %s",
+            identity.tensors, len(offsets), self._total / 1e6, copy, identity.short(),
+        )  # fmt: skip
+        if self.on_installed is not None:
+            self.on_installed(identity)
+        return PrepareResult(ok=True, identity=identity, verified_bytes=identity.nbytes)
+
+    def _verify_received(self) -> dict[str, int]:
+        """Each received tensor's offset in data.part, after checking its SHA-256."""
+        size = self.part.stat().st_size if self._needed else 0
+        if size != self._total:
+            raise TransferError(f"{size} of {self._total} bytes arrived; run prepare again")
+        offsets: dict[str, int] = {}
+        at = 0
+        for record in self._needed:
+            got = hash_range(self.part, at, record.nbytes).hexdigest()
+            if got != record.sha256:
+                with self.part.open("r+b") as f:
+                    f.truncate(at)  # keep the verified bytes before it for the next try
+                raise TransferError(
+                    f"tensor {record.name} arrived with sha256 {got[:16]}, the cluster's record "
+                    f"says {record.sha256[:16]}; it was discarded and nothing was installed"
+                )
+            offsets[record.name] = at
+            at += record.nbytes
+        return offsets
+
+    def _install(self, manifest: PrepareManifest, received: dict[str, int]) -> Path:
+        building = self.root / f".install-{os.getpid()}"
+        shutil.rmtree(building, ignore_errors=True)
+        building.mkdir(parents=True)
+        sources: list[tuple[TensorRecord, Path, int]] = []
+        for record in sorted(manifest.records, key=lambda r: r.name):
+            if record.name in received:
+                sources.append((record, self.part, received[record.name]))
+            else:
+                local = self._local[record.name]
+                sources.append((record, local.path, local.offset))
+        _write_safetensors(building / "model.safetensors", sources)
+        _write_atomic(building / "config.json", json.dumps(manifest.config, indent=2).encode())
+        description = {
+            "layers": list(manifest.layers),
+            "stage": manifest.stage,
+            "num_stages": manifest.num_stages,
+            "records": [r.model_dump() for r in manifest.records],
+        }
+        _write_atomic(building / "prepared.json", json.dumps(description).encode())
+        current, old = self.root / "current", self.root / f".old-{os.getpid()}"
+        if current.exists():
+            os.replace(current, old)
+        os.replace(building, current)
+        shutil.rmtree(old, ignore_errors=True)
+        on_disk = stored_tensors(current, lambda _n: True, None)
+        for record in manifest.records:
+            if on_disk[record.name].record != record:
+                shutil.rmtree(current, ignore_errors=True)
+                raise TransferError(f"tensor {record.name} changed while it was installed")
+        return current
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _write_safetensors(path: Path, sources: list[tuple[TensorRecord, Path, int]]) -> None:
+    """A safetensors file holding exactly ``sources``' bytes, in order."""
+    header: dict[str, Any] = {}
+    at = 0
+    for record, _, _ in sources:
+        header[record.name] = {
+            "dtype": record.dtype,
+            "shape": record.shape,
+            "data_offsets": [at, at + record.nbytes],
+        }
+        at += record.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writers do
+    with path.open("wb") as out:
+        out.write(struct.pack("<Q", len(raw)) + raw)
+        for record, source, offset in sources:
+            with source.open("rb") as f:
+                f.seek(offset)
+                left = record.nbytes
+                while left > 0:
+                    chunk = f.read(min(_COPY_CHUNK, left))
+                    if not chunk:
+                        raise TransferError(f"{source} ends inside tensor {record.name}")
+                    out.write(chunk)
+                    left -= len(chunk)
+        out.flush()
+        os.fsync(out.fileno())
