@@ -43,7 +43,10 @@ echo "== import layers" >&2; $V/lint-imports
 echo "== schemas" >&2;       $V/python scripts/gen_schemas.py --check
 echo "== pytest" >&2
 set +e
-$V/python -m pytest "$@"
+# Two workers, one test file each at a time (--dist loadfile: a file's module fixtures, its
+# clusters, are built once). Most tests wait on the processes they start, so two files share
+# two cores well; each worker gets its own local-cluster port range (tests/conftest.py).
+$V/python -m pytest -n 2 --dist loadfile "$@"
 rc=$?
 if [ "$rc" = 0 ] && [ "$#" = 0 ]; then
   # mlxppd runs on uvloop where it is installed; the wire must work on asyncio's loop too.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from mlxppd.core.config.ports import parse_port_range
 from mlxppd.core.layer_ranges import LayerRange
 from mlxppd.core.restart_policy import RestartPolicy
 from mlxppd.runtime.local_cluster import LocalCluster
@@ -43,7 +45,9 @@ def make_cluster(linked_model: Path, tmp_path: Path) -> Iterator[Callable[..., L
 
     def make(policy: RestartPolicy) -> LocalCluster:
         ranges = (LayerRange(0, 15), LayerRange(15, 30))
-        cluster = LocalCluster(str(linked_model), ranges, restart_policy=policy)
+        # The test worker's own range, as `serve --pp-size` would take it (tests/conftest.py).
+        ports = parse_port_range(os.environ.get("MLXPP_TRANSPORT_PORT_RANGE", "39600-39629"))
+        cluster = LocalCluster(str(linked_model), ranges, restart_policy=policy, port_range=ports)
         made.append(cluster)
         cluster.start_stages()
         return cluster

@@ -210,6 +210,10 @@ def test_a_malformed_range_flag_is_refused(tmp_path: Path) -> None:
     proc = _serve(env, "--pp-size", "2", "--transport-port-range", "39629-39600")
     assert proc.returncode == 2, proc.stderr
     assert "--transport-port-range" in proc.stderr and '"39600-39629"' in proc.stderr
+    # Without the flag the environment's range counts, and its error names the variable.
+    proc = _serve({**env, "MLXPP_TRANSPORT_PORT_RANGE": "x"}, "--pp-size", "2")
+    assert proc.returncode == 2, proc.stderr
+    assert "MLXPP_TRANSPORT_PORT_RANGE" in proc.stderr and "FIRST-LAST" in proc.stderr
 
 
 PORTLESS = """\

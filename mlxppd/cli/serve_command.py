@@ -14,6 +14,7 @@ from mlxppd.cli.common import cpu_weights_flag
 from mlxppd.cli.serve_modes import Mode, check_serve_flags, with_defaults
 from mlxppd.core.config.ports import (
     DEFAULT_TRANSPORT_PORT_RANGE,
+    PortRange,
     parse_port_range,
     with_range_port,
 )
@@ -21,6 +22,8 @@ from mlxppd.core.config.private_file import ALLOW_LOOSE_FLAG, ENV_ALLOW_LOOSE
 from mlxppd.core.errors import ConfigurationError
 
 _PORT_RANGE_FLAG = "--transport-port-range"
+#: the range a local cluster takes its ports from when the flag is not given
+PORT_RANGE_ENV = "MLXPP_TRANSPORT_PORT_RANGE"
 
 _EPILOG = """\
 roles:
@@ -62,7 +65,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--transport-port-range",
         metavar="FIRST-LAST",
         help="TCP ports a local cluster's stages and coordinator take theirs from, the first "
-        f"free ones (default {DEFAULT_TRANSPORT_PORT_RANGE})",
+        f"free ones (default ${PORT_RANGE_ENV}, else {DEFAULT_TRANSPORT_PORT_RANGE})",
     )
     p.add_argument(
         "--transport-backend",
@@ -218,6 +221,17 @@ def _zero_config_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _port_range(args: argparse.Namespace) -> PortRange:
+    """--transport-port-range, else $MLXPP_TRANSPORT_PORT_RANGE, else the default."""
+    source, text = _PORT_RANGE_FLAG, args.transport_port_range
+    if text is None and os.environ.get(PORT_RANGE_ENV):
+        source, text = PORT_RANGE_ENV, os.environ[PORT_RANGE_ENV]
+    try:
+        return parse_port_range(text or DEFAULT_TRANSPORT_PORT_RANGE)
+    except ValueError as exc:
+        raise ConfigurationError(str(exc), source=source) from None
+
+
 def _zero_config(args: argparse.Namespace) -> Any:
     from mlxppd.runtime.zeroconf.bringup import ZeroConfig
 
@@ -252,11 +266,7 @@ def _check_values(args: argparse.Namespace, mode: Mode) -> None:
                 source="--pp-auto",
             )
     if mode is Mode.LOCAL_CLUSTER:
-        if args.transport_port_range is not None:
-            try:
-                parse_port_range(args.transport_port_range)
-            except ValueError as exc:
-                raise ConfigurationError(str(exc), source=_PORT_RANGE_FLAG) from None
+        _port_range(args)
         if args.pp_size is not None and args.pp_size < 2:
             raise ConfigurationError(
                 "a local cluster needs at least 2 stages; drop --pp-size to serve every stage "
@@ -412,7 +422,7 @@ def _run_local(args: argparse.Namespace, options: Any, sized: Any) -> int:
     from mlxppd.runtime.local_cluster import free_ports_in
     from mlxppd.runtime.system import event_loop
 
-    port_range = parse_port_range(args.transport_port_range or DEFAULT_TRANSPORT_PORT_RANGE)
+    port_range = _port_range(args)
     if args.pp_size is not None or args.pp_layers is not None:
         # A range without room is one error before the model loads (the stages and the
         # coordinator; the cluster takes its ports again when it starts).
