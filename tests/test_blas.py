@@ -88,3 +88,12 @@ def test_a_blas_that_cannot_be_opened_is_a_one_line_error(cli_env: dict[str, str
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
     assert "MLXPP_BLAS" in lines[0] and "/nonexistent/libblas.so" in lines[0]
+
+
+def test_a_local_clusters_stages_share_the_cores_for_openblas() -> None:
+    from mlxppd.runtime.local_cluster import stage_environment
+
+    assert stage_environment({}, stages=2, cpus=8)["OPENBLAS_NUM_THREADS"] == "4"
+    assert stage_environment({}, stages=3, cpus=2)["OPENBLAS_NUM_THREADS"] == "1"
+    given = {"OPENBLAS_NUM_THREADS": "6", "PATH": "/bin"}
+    assert stage_environment(given, stages=2, cpus=8) == given  # the operator's setting wins

@@ -243,7 +243,7 @@ def test_concurrent_requests_each_equal_their_own_single_result(urls: dict[int, 
         (CHAT, {"messages": FRANCE, "temperature": 2.5}, "temperature"),
         (CHAT, {"messages": FRANCE, "top_p": 0}, "top_p"),
         (CHAT, {"messages": FRANCE, "top_p": 1.5}, "top_p"),
-        (CHAT, {"messages": FRANCE, "n": 2}, "n"),
+        (CHAT, {"messages": FRANCE, "n": 17}, "n"),
         (CHAT, {"messages": FRANCE, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
         (CHAT, {"messages": FRANCE, "stop": 3}, "stop"),
         (CHAT, {"messages": FRANCE, "seed": 1.5}, "seed"),
@@ -398,6 +398,11 @@ class FailingBackend:
 
     def health(self) -> Any:
         return self.inner.health()
+
+    def generate_choices(
+        self, request_id: str, prompt: list[int], params: Any
+    ) -> list[AsyncIterator[TokenEvent]]:
+        return [self.generate(request_id, prompt, p) for p in params]
 
     async def generate(
         self, request_id: str, prompt: list[int], params: SamplingParams

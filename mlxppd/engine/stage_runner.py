@@ -7,20 +7,15 @@ also holds each sequence's sampler, samples from the last position and returns o
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import mlx.core as mx
 
 from mlxppd.core.protocol.pipeline import regroup
-from mlxppd.engine.sampling import Sampler, greedy
+from mlxppd.engine.sampling import GREEDY, Sampled, SequenceSampler
 from mlxppd.engine.stage import LoadedStage
-
-
-@dataclass(frozen=True)
-class Sampled:
-    token: int
-    logprob: float | None
 
 
 @dataclass
@@ -36,7 +31,7 @@ class StageRunner:
     def __init__(self, stage: LoadedStage):
         self.stage = stage
         self._caches: dict[str, list[Any]] = {}
-        self._samplers: dict[str, Sampler] = {}
+        self._samplers: dict[str, SequenceSampler] = {}
         self._groups: dict[str, _Group] = {}
         self._group_of: dict[str, str] = {}
 
@@ -87,23 +82,38 @@ class StageRunner:
         self, group_id: str, seqs: list[str], x: mx.array, logprobs: bool
     ) -> list[Sampled]:
         logits = self.stage(x, self._regroup(group_id, seqs))[:, -1, :]
-        scores = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        tokens = [self._samplers.get(s, greedy)(scores[i : i + 1]) for i, s in enumerate(seqs)]
-        mx.eval(tokens, scores)
-        out = []
-        for i, token in enumerate(tokens):
-            value = cast(int, token.item())
-            logprob = cast(float, scores[i, value].item()) if logprobs else None
-            out.append(Sampled(value, logprob))
-        return out
+        samplers = [self._samplers.get(s, GREEDY) for s in seqs]
+        if not any(s.processors or s.top_logprobs for s in samplers):
+            # The common case: one normalization and one evaluation for the whole batch.
+            scores = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            tokens = [sampler.draw(scores[i : i + 1]) for i, sampler in enumerate(samplers)]
+            mx.eval(tokens, scores)
+            out = []
+            for i, token in enumerate(tokens):
+                value = cast(int, token.item())
+                logprob = cast(float, scores[i, value].item()) if logprobs else None
+                out.append(Sampled(value, logprob))
+            return out
+        return [
+            sampler.sample(sampler.scores(logits[i : i + 1]), logprobs)
+            for i, sampler in enumerate(samplers)
+        ]
 
     @property
     def active(self) -> int:
         return len(self._caches)
 
-    def set_sampler(self, seq: str, sampler: Sampler) -> None:
+    def set_sampler(self, seq: str, sampler: SequenceSampler) -> None:
         """The sampler of ``seq`` until it is released (greedy when none is set)."""
         self._samplers[seq] = sampler
+
+    def fork(self, source: str, seq: str) -> None:
+        """``seq`` starts from a copy of ``source``'s caches (the choices of one prompt share
+        its prefill); the copy is independent from here on."""
+        caches = self._caches.get(source)
+        if caches is None:
+            raise ValueError(f"sequence {seq} forks from {source}, which holds no caches here")
+        self._caches[seq] = copy.deepcopy(caches)
 
     def forward(self, seq: str, x: mx.array) -> mx.array:
         """Run this stage's layers for one sequence; the output is evaluated."""
@@ -120,12 +130,8 @@ class StageRunner:
         if cache is None:
             cache = self._caches[seq] = self.stage.make_cache()
         logits = self.stage(x, cache)[:, -1, :]
-        scores = logits - mx.logsumexp(logits, keepdims=True)
-        token = self._samplers.get(seq, greedy)(scores)
-        mx.eval(token, scores)
-        value = cast(int, token.item())
-        logprob = cast(float, scores[0, value].item()) if logprobs else None
-        return Sampled(value, logprob)
+        sampler = self._samplers.get(seq, GREEDY)
+        return sampler.sample(sampler.scores(logits), logprobs)
 
     def release_all(self) -> None:
         self._samplers.clear()

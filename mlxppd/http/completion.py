@@ -11,7 +11,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlxppd.runtime.pipeline.backend import GenerationBackend, SamplingParams, TokenEvent
+from mlxppd.runtime.pipeline.backend import TokenEvent
 
 #: stands in for -inf, which JSON cannot carry
 MIN_LOGPROB = -9999.0
@@ -29,6 +29,8 @@ class TokenInfo:
     logprob: float | None
     #: where the token's text starts in the completion text (characters)
     text_offset: int
+    #: the most likely tokens (decoded) and their logprobs, when top_logprobs was asked for
+    top: tuple[tuple[str, float], ...] | None = None
 
 
 @dataclass
@@ -111,15 +113,14 @@ class Generation:
 
     def __init__(
         self,
-        backend: GenerationBackend,
+        events: AsyncIterator[TokenEvent],
         tokenizer: Any,
-        request_id: str,
-        prompt: list[int],
-        params: SamplingParams,
+        prompt_tokens: int,
         stop: Sequence[str] = (),
         is_gone: Callable[[], bool] = lambda: False,
     ) -> None:
-        self._events = backend.generate(request_id, prompt, params)
+        """``events``: one choice's tokens, as the backend's ``generate`` yields them."""
+        self._events = events
         self._tokenizer = tokenizer
         # mlx-lm's TokenizerWrapper hands out a fresh (reset) copy on every access.
         self._detok = tokenizer.detokenizer
@@ -128,10 +129,16 @@ class Generation:
         self._is_gone = is_gone
         self._first: TokenEvent | None = None
         self._exhausted = False
-        self.prompt_tokens = len(prompt)
+        self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
         self.finish_reason = "length"
         self.text = ""
+
+    def _top(self, event: TokenEvent) -> tuple[tuple[str, float], ...] | None:
+        if event.top is None:
+            return None
+        decode = self._tokenizer.decode
+        return tuple((decode([t]), safe_logprob(lp) or MIN_LOGPROB) for t, lp in event.top)
 
     async def start(self) -> None:
         """Wait for the first token: admission happens there, before any response byte is sent."""
@@ -184,6 +191,7 @@ class Generation:
                     self._tokenizer.decode([event.token]),
                     safe_logprob(event.logprob),
                     offset,
+                    self._top(event),
                 )
             )
             text = self._detok.text

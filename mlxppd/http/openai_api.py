@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from aiohttp import web
@@ -57,6 +57,8 @@ _KEYED_PREFIXES = ("/v1/", "/metrics")
 #: tokenizers report ~1e30 when they do not know the context; above this we treat it as unknown
 _CONTEXT_SANITY = 10_000_000
 FALLBACK_MAX_PROMPT_TOKENS = 32_768
+#: how the seeds of a request's choices differ (an odd 64-bit constant: distinct for any n)
+_SEED_STRIDE = 0x9E3779B97F4A7C15
 
 
 @dataclass
@@ -455,62 +457,110 @@ def _max_tokens(state: _State, parsed: ParsedRequest, n_prompt: int, chat: bool)
     return parsed.max_tokens
 
 
-async def _generate(
-    request: web.Request, state: _State, parsed: ParsedRequest, prompt: list[int], *, chat: bool
-) -> web.StreamResponse:
-    params = SamplingParams(
-        max_tokens=_max_tokens(state, parsed, len(prompt), chat),
+def _choice_params(parsed: ParsedRequest, max_tokens: int) -> list[SamplingParams]:
+    """One SamplingParams per choice: the request's, each choice with its own seed (choice 0
+    keeps the request's, so n=1 draws what it always drew)."""
+    base = SamplingParams(
+        max_tokens=max_tokens,
         temperature=parsed.temperature,
         top_p=parsed.top_p,
         seed=parsed.seed,
         logprobs=parsed.logprobs,
+        top_k=parsed.top_k,
+        min_p=parsed.min_p,
+        repetition_penalty=parsed.repetition_penalty,
+        presence_penalty=parsed.presence_penalty,
+        frequency_penalty=parsed.frequency_penalty,
+        logit_bias=parsed.logit_bias,
+        top_logprobs=parsed.top_logprobs,
     )
+    if parsed.seed is None:
+        return [base] * parsed.n
+    return [
+        replace(base, seed=(parsed.seed + i * _SEED_STRIDE) % (1 << 64)) for i in range(parsed.n)
+    ]
+
+
+async def _generate(
+    request: web.Request, state: _State, parsed: ParsedRequest, prompt: list[int], *, chat: bool
+) -> web.StreamResponse:
+    params = _choice_params(parsed, _max_tokens(state, parsed, len(prompt), chat))
 
     def gone() -> bool:
         transport = request.transport
         return transport is None or transport.is_closing()
 
-    gen = Generation(
-        state.backend,
-        state.backend.tokenizer,
-        _log_of(request).request_id,
-        prompt,
-        params,
-        parsed.stop,
-        is_gone=gone,
-    )
+    request_id = _log_of(request).request_id
+    streams = state.backend.generate_choices(request_id, prompt, params)
+    tokenizer = state.backend.tokenizer
+    gens = [Generation(s, tokenizer, len(prompt), parsed.stop, is_gone=gone) for s in streams]
     shape = Shape(chat, state.model_name, parsed.logprobs)
     try:
-        await gen.start()
+        # Together: the choices of one prompt share its prefill, so they start as one.
+        await asyncio.gather(*(gen.start() for gen in gens))
         if parsed.stream:
-            return await _stream(request, gen, shape, parsed.include_usage)
-        pieces = gen.pieces()
-        tokens: list[TokenInfo] = []
-        try:
-            async for piece in pieces:
-                tokens.extend(piece.tokens)
-        finally:
-            await pieces.aclose()
-        return web.json_response(shape.complete(gen, tokens))
+            return await _stream(request, gens, shape, parsed.include_usage)
+        results = await asyncio.gather(*(_collect(gen) for gen in gens))
+        return web.json_response(shape.complete(list(zip(gens, results, strict=True))))
     finally:
-        await gen.close()
-        _log_of(request).tokens = (gen.prompt_tokens, gen.completion_tokens)
+        for gen in gens:
+            await gen.close()
+        completion = sum(gen.completion_tokens for gen in gens)
+        _log_of(request).tokens = (len(prompt), completion)
+
+
+async def _collect(gen: Generation) -> list[TokenInfo]:
+    pieces = gen.pieces()
+    tokens: list[TokenInfo] = []
+    try:
+        async for piece in pieces:
+            tokens.extend(piece.tokens)
+    finally:
+        await pieces.aclose()
+    return tokens
+
+
+async def _pieces_of(
+    index: int, gen: Generation, out: asyncio.Queue[tuple[int, Piece | BaseException | None]]
+) -> None:
+    """Feed one choice's pieces into the stream's queue; None ends it, an error ends it too."""
+    pieces = gen.pieces()
+    try:
+        async for piece in pieces:
+            if piece.text or piece.tokens:
+                await out.put((index, piece))
+        await out.put((index, None))
+    except Exception as exc:
+        await out.put((index, exc))
+    finally:
+        await pieces.aclose()
 
 
 async def _stream(
-    request: web.Request, gen: Generation, shape: Shape, include_usage: bool
+    request: web.Request, gens: list[Generation], shape: Shape, include_usage: bool
 ) -> web.StreamResponse:
     sse = await SseWriter.open(request, {"X-Request-Id": _log_of(request).request_id})
-    pieces = gen.pieces()
+    queue: asyncio.Queue[tuple[int, Piece | BaseException | None]] = asyncio.Queue()
+    feeders = [asyncio.ensure_future(_pieces_of(i, gen, queue)) for i, gen in enumerate(gens)]
     try:
-        if chat_start := shape.role_chunk(include_usage):
-            await sse.event(chat_start)
-        async for piece in pieces:
-            if piece.text or piece.tokens:
-                await sse.event(shape.chunk(piece, None, include_usage))
-        await sse.event(shape.chunk(Piece(""), gen.finish_reason, include_usage))
+        for index in range(len(gens)):
+            if chat_start := shape.role_chunk(include_usage, index):
+                await sse.event(chat_start)
+        running = len(gens)
+        while running:
+            index, item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item is None:
+                running -= 1
+                finish = Piece("")
+                await sse.event(
+                    shape.chunk(finish, gens[index].finish_reason, include_usage, index)
+                )
+                continue
+            await sse.event(shape.chunk(item, None, include_usage, index))
         if include_usage:
-            await sse.event(shape.usage_chunk(gen))
+            await sse.event(shape.usage_chunk(gens))
         await sse.done()
     except ClientGone:
         _log_of(request).note = "client closed the stream"
@@ -527,5 +577,7 @@ async def _stream(
         except ClientGone:
             pass
     finally:
-        await pieces.aclose()
+        for feeder in feeders:
+            feeder.cancel()
+        await asyncio.gather(*feeders, return_exceptions=True)
     return sse.response

@@ -12,7 +12,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from mlxppd.core.protocol.control import MAX_SEED, MAX_SEQUENCE_TOKENS
@@ -28,6 +35,10 @@ MAX_STOP_CHARS = 512
 MAX_NAME_CHARS = 256
 MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
+#: most choices per request (each holds its own KV after the shared prompt)
+MAX_CHOICES = 16
+#: most logit_bias entries, as OpenAI allows
+MAX_LOGIT_BIAS = 300
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -96,11 +107,35 @@ def _token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 32
 
 
+def _logit_bias(value: Any) -> Any:
+    """OpenAI's {"token id": bias} as sorted (id, bias) pairs; biases in [-100, 100]."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise PydanticCustomError("invalid_type", "must be an object of token id -> bias")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise PydanticCustomError(
+            "invalid_value", "takes at most {most} entries", {"most": MAX_LOGIT_BIAS}
+        )
+    pairs = []
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isdigit() and len(key) <= 10):
+            raise PydanticCustomError("invalid_value", 'keys are token ids, like "50256"')
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
+            raise PydanticCustomError("invalid_value", "a bias is a number from -100 to 100")
+        pairs.append((int(key), float(bias)))
+    return tuple(sorted(pairs))
+
+
 StopStrings = Annotated[
     tuple[str, ...],
     BeforeValidator(_stop_list, json_schema_input_type=str | list[str] | None),
 ]
 Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
+LogitBias = Annotated[
+    tuple[tuple[int, float], ...],
+    BeforeValidator(_logit_bias, json_schema_input_type=dict[str, float] | None),
+]
 
 
 class ApiModel(BaseModel):
@@ -127,27 +162,32 @@ class _Common(ApiModel):
     max_tokens: int | None = Field(None, ge=1, le=MAX_SEQUENCE_TOKENS)
     temperature: float = Field(1.0, ge=0, le=2, description="0: greedy")
     top_p: float = Field(1.0, gt=0, le=1)
-    n: int = Field(1, ge=1, le=1, description="choices per request; this server returns one")
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices; the prompt is prefilled once")
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: StopStrings = ()
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Name | None = None
-    presence_penalty: float = Field(0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = Field(None, max_length=1024)
+    presence_penalty: float = Field(
+        0.0, ge=-2, le=2, description="subtracted from each token seen in the last 20"
+    )
+    frequency_penalty: float = Field(
+        0.0, ge=-2, le=2, description="subtracted per occurrence in the last 20 tokens"
+    )
+    logit_bias: LogitBias = Field(
+        (), description='{"token id": bias}, bias from -100 to 100, added to the logit'
+    )
+    # Beyond OpenAI, as vLLM and mlx_lm.server take them (the SDKs send them in extra_body).
+    top_k: int = Field(0, ge=0, le=1 << 24, description="keep the k most likely tokens (0: all)")
+    min_p: float = Field(0.0, ge=0, le=1, description="drop tokens below min_p x the top one")
+    repetition_penalty: float | None = Field(
+        None, gt=0, le=10, description="mlx-lm's multiplicative penalty over the last 20 tokens"
+    )
     tools: list[dict[str, Any]] | None = Field(None, max_length=128)
     functions: list[dict[str, Any]] | None = Field(None, max_length=128)
     response_format: dict[str, Any] | None = None
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, value: float) -> float:
-        if value != 0:
-            raise unsupported("a penalty other than 0")
-        return value
-
-    @field_validator("logit_bias", "tools", "functions")
+    @field_validator("tools", "functions")
     @classmethod
     def _empty_only(cls, value: Any) -> Any:
         if value:
@@ -169,6 +209,12 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_SEQUENCE_TOKENS)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise PydanticCustomError("invalid_value", "top_logprobs needs logprobs set to true")
+        return self
 
     @field_validator("messages", mode="before")
     @classmethod

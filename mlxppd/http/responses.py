@@ -1,12 +1,21 @@
-"""OpenAI's response objects: chat.completion, chat.completion.chunk and text_completion."""
+"""OpenAI's response objects: chat.completion, chat.completion.chunk and text_completion.
+
+A request has one choice per ``n``; each chunk carries one choice, by its ``index``. The usage
+counts the prompt once (its prefill is shared) and every choice's completion tokens.
+"""
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 from mlxppd.http.completion import Generation, Piece, TokenInfo
+
+
+def _bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
 
 
 class Shape:
@@ -40,8 +49,11 @@ class Shape:
                 {
                     "token": t.text,
                     "logprob": t.logprob,
-                    "bytes": list(t.text.encode("utf-8")),
-                    "top_logprobs": [],
+                    "bytes": _bytes(t.text),
+                    "top_logprobs": [
+                        {"token": text, "logprob": lp, "bytes": _bytes(text)}
+                        for text, lp in t.top or ()
+                    ],
                 }
                 for t in tokens
             ]
@@ -49,37 +61,46 @@ class Shape:
         return {
             "tokens": [t.text for t in tokens],
             "token_logprobs": [t.logprob for t in tokens],
-            "top_logprobs": [{} for _ in tokens],
+            # Legacy completions: text -> logprob per position (equal texts keep the first).
+            "top_logprobs": [{text: lp for text, lp in reversed(t.top or ())} for t in tokens],
             "text_offset": [t.text_offset for t in tokens],
         }
 
     @staticmethod
-    def _usage(gen: Generation) -> dict[str, int]:
+    def _usage(gens: Sequence[Generation]) -> dict[str, int]:
+        prompt = gens[0].prompt_tokens if gens else 0
+        completion = sum(g.completion_tokens for g in gens)
         return {
-            "prompt_tokens": gen.prompt_tokens,
-            "completion_tokens": gen.completion_tokens,
-            "total_tokens": gen.prompt_tokens + gen.completion_tokens,
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
         }
 
-    def complete(self, gen: Generation, tokens: list[TokenInfo]) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": gen.text, "refusal": None}
-        else:
-            choice["text"] = gen.text
-        choice["logprobs"] = self._logprobs(tokens)
-        choice["finish_reason"] = gen.finish_reason
-        return {**self._head(False), "choices": [choice], "usage": self._usage(gen)}
+    def complete(self, results: Sequence[tuple[Generation, list[TokenInfo]]]) -> dict[str, Any]:
+        choices = []
+        for index, (gen, tokens) in enumerate(results):
+            choice: dict[str, Any] = {"index": index}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": gen.text, "refusal": None}
+            else:
+                choice["text"] = gen.text
+            choice["logprobs"] = self._logprobs(tokens)
+            choice["finish_reason"] = gen.finish_reason
+            choices.append(choice)
+        usage = self._usage([gen for gen, _ in results])
+        return {**self._head(False), "choices": choices, "usage": usage}
 
-    def role_chunk(self, include_usage: bool) -> dict[str, Any] | None:
+    def role_chunk(self, include_usage: bool, index: int = 0) -> dict[str, Any] | None:
         if not self.chat:
             return None
         delta = {"role": "assistant", "content": ""}
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
         return self._chunk_of(choice, include_usage)
 
-    def chunk(self, piece: Piece, finish: str | None, include_usage: bool) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0}
+    def chunk(
+        self, piece: Piece, finish: str | None, include_usage: bool, index: int = 0
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index}
         if self.chat:
             choice["delta"] = {"content": piece.text} if finish is None else {}
         else:
@@ -94,5 +115,5 @@ class Shape:
             chunk["usage"] = None
         return chunk
 
-    def usage_chunk(self, gen: Generation) -> dict[str, Any]:
-        return {**self._head(True), "choices": [], "usage": self._usage(gen)}
+    def usage_chunk(self, gens: Sequence[Generation]) -> dict[str, Any]:
+        return {**self._head(True), "choices": [], "usage": self._usage(gens)}

@@ -36,6 +36,14 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     logprobs: bool
+    n: int = 1
+    top_logprobs: int = 0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
     #: chat: the messages (role, content as text); completions: None
     messages: tuple[dict[str, str], ...] | None = None
     #: completions: the prompt as text or as token ids; chat: None
@@ -110,6 +118,13 @@ def _parsed(
         stop=request.stop,
         stream=request.stream,
         include_usage=_stream_usage(request),
+        n=request.n,
+        top_k=request.top_k,
+        min_p=request.min_p,
+        repetition_penalty=request.repetition_penalty,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        logit_bias=request.logit_bias,
         **rest,
     )
 
@@ -120,6 +135,7 @@ def parse_chat(body: dict[str, Any]) -> ParsedRequest:
         request,
         request.max_completion_tokens or request.max_tokens,
         logprobs=request.logprobs,
+        top_logprobs=request.top_logprobs or 0,
         messages=tuple({"role": m.role, "content": m.content} for m in request.messages),
     )
 
@@ -130,5 +146,6 @@ def parse_completion(body: dict[str, Any]) -> ParsedRequest:
         request,
         request.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS,
         logprobs=request.logprobs is not None,
+        top_logprobs=request.logprobs or 0,
         prompt=request.prompt,
     )

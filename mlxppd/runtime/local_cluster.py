@@ -28,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -114,6 +114,15 @@ def local_cluster_toml(
     # Round-trip through the validated model so the file is exactly what a node will load.
     config: ClusterConfig = parse_cluster_config("\n".join(lines) + "\n", "local cluster")
     return render_cluster_toml(config)
+
+
+def stage_environment(environ: Mapping[str, str], stages: int, cpus: int) -> dict[str, str]:
+    """A stage process's environment: this one's, with the CPU's cores shared between the
+    stages for OpenBLAS (its idle threads spin: N stages with all the cores each spend much of
+    the CPU waiting on each other). An OPENBLAS_NUM_THREADS already set wins."""
+    env = dict(environ)
+    env.setdefault("OPENBLAS_NUM_THREADS", str(max(1, cpus // stages)))
+    return env
 
 
 def _die_with_parent() -> None:
@@ -207,6 +216,7 @@ class LocalCluster:
         self._ready_at[index] = None
         return subprocess.Popen(
             self._stage_command(index, ready),
+            env=stage_environment(os.environ, len(self.ranges), os.cpu_count() or 1),
             start_new_session=True,
             preexec_fn=_die_with_parent if sys.platform == "linux" else None,  # noqa: PLW1509
         )

@@ -12,6 +12,7 @@ from typing import Annotated
 
 from pydantic import Field
 
+from mlxppd.core.protocol.sampling import MAX_TOP_LOGPROBS
 from mlxppd.core.strict import StrictModel
 
 SeqId = Annotated[str, Field(min_length=1, max_length=128)]
@@ -21,6 +22,12 @@ class ForwardMeta(StrictModel):
     """ACTIVATION: run the stage's layers on this input for one sequence."""
 
     seq: SeqId
+    forks: list[SeqId] | None = Field(
+        None,
+        max_length=64,
+        description="after running this input, copy the sequence's KV caches for each of these "
+        "(the n choices of one prompt share its prefill)",
+    )
     step: int = Field(ge=0, description="request-local step number (0 = first prefill chunk)")
     sample: bool = Field(description="last stage: sample a token from the last position")
     logprobs: bool = Field(False, description="last stage: also return the token's logprob")
@@ -33,6 +40,9 @@ class TokenMeta(StrictModel):
     seq: SeqId
     step: int = Field(ge=0)
     logprob: float | None = None
+    top: list[tuple[Annotated[int, Field(ge=0, lt=1 << 32)], float]] | None = Field(
+        None, max_length=MAX_TOP_LOGPROBS, description="the most likely tokens and logprobs"
+    )
 
 
 MAX_MICRO_BATCH = 256

@@ -6,12 +6,13 @@ implement it, so the OpenAI API is one piece of code over either.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from mlxppd.core.errors import MlxppError, PermanentError, TemporaryError
 from mlxppd.core.kv_admission import AdmissionDiagnostic
+from mlxppd.core.protocol.sampling import PENALTY_CONTEXT, SamplerSpec
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,37 @@ class SamplingParams:
     """per-request random seed; None = unseeded"""
     logprobs: bool = False
     """return the log-probability of each sampled token"""
+    top_k: int = 0
+    """keep the k most likely tokens (0: all)"""
+    min_p: float = 0.0
+    """drop tokens less likely than min_p x the most likely one (0: off)"""
+    repetition_penalty: float | None = None
+    """mlx-lm's multiplicative penalty over the last 20 tokens (None: off)"""
+    presence_penalty: float = 0.0
+    """subtracted once from the logit of each token among the last 20"""
+    frequency_penalty: float = 0.0
+    """subtracted per occurrence among the last 20 tokens"""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, value added to its logit)"""
+    top_logprobs: int = 0
+    """the most likely tokens to report with each sampled one (0: none)"""
+
+    def sampler_spec(self, prompt: Sequence[int]) -> SamplerSpec | None:
+        """What the last stage needs beyond temperature, top_p and the seed; None: nothing."""
+        spec = SamplerSpec(
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias=list(self.logit_bias),
+            top_logprobs=self.top_logprobs,
+        )
+        if spec == SamplerSpec():
+            return None
+        if spec.penalizes:
+            spec = spec.model_copy(update={"context": list(prompt[-PENALTY_CONTEXT:])})
+        return spec
 
 
 @dataclass(frozen=True)
@@ -34,6 +66,8 @@ class TokenEvent:
 
     token: int
     logprob: float | None = None
+    top: tuple[tuple[int, float], ...] | None = None
+    """the most likely tokens and their logprobs, most likely first (top_logprobs)"""
 
 
 @dataclass(frozen=True)
@@ -96,3 +130,21 @@ class GenerationBackend(Protocol):
         iterator early (client gone) releases the sequence's KV cache on every stage.
         """
         ...
+
+    def generate_choices(
+        self, request_id: str, prompt: list[int], params: Sequence[SamplingParams]
+    ) -> list[AsyncIterator[TokenEvent]]:
+        """One stream per choice of one prompt (``n``), as ``generate`` yields them; the
+        backend may compute the prompt once for all. Iterate the streams together: a choice
+        may wait for the others to start."""
+        ...
+
+
+def independent_choices(
+    backend: GenerationBackend,
+    request_id: str,
+    prompt: list[int],
+    params: Sequence[SamplingParams],
+) -> list[AsyncIterator[TokenEvent]]:
+    """``generate_choices`` as separate generations (each prefills the prompt itself)."""
+    return [backend.generate(request_id, prompt, p) for p in params]

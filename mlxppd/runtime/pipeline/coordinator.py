@@ -17,7 +17,7 @@ import logging
 import secrets
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -31,13 +31,6 @@ from mlxppd.core.model_identity import IdentityCheck
 from mlxppd.core.protocol.control import (
     Ack,
     Configure,
-    parse_control,
-)
-from mlxppd.core.protocol.pipeline import (
-    BatchTokenMeta,
-    GroupFailure,
-    SequenceFailure,
-    TokenMeta,
 )
 from mlxppd.core.strict import StrictModel
 from mlxppd.runtime.observability.metrics import PipelineMetrics
@@ -46,7 +39,6 @@ from mlxppd.runtime.pipeline.backend import (
     BackendUnavailable,
     Health,
     SamplingParams,
-    SequenceFailed,
     TokenEvent,
 )
 from mlxppd.runtime.pipeline.control_client import BadReplyError, ControlClient
@@ -57,11 +49,13 @@ from mlxppd.runtime.pipeline.failover import (
     Recovery,
 )
 from mlxppd.runtime.pipeline.identity_check import IdentityReference
+from mlxppd.runtime.pipeline.link_reader import LinkReader
 from mlxppd.runtime.pipeline.micro_batcher import MicroBatcher
+from mlxppd.runtime.pipeline.shared_prefill import SharedPrefill
 from mlxppd.runtime.pipeline.stage_link import StageLink
 from mlxppd.runtime.pipeline.stage_ops import StageOps
-from mlxppd.wire.codec import Message, MessageKind
-from mlxppd.wire.errors import ChannelClosedError, FrameError
+from mlxppd.wire.codec import MessageKind
+from mlxppd.wire.errors import ChannelClosedError
 from mlxppd.wire.tasks import spawn, stop_tasks
 from mlxppd.wire.transport import Transport
 
@@ -72,7 +66,7 @@ REPLY_TIMEOUT_S = 30.0
 ReplyT = TypeVar("ReplyT", bound=StrictModel)
 
 
-class Coordinator(StageOps):
+class Coordinator(StageOps, LinkReader):
     def __init__(
         self,
         cluster: ClusterConfig,
@@ -260,24 +254,53 @@ class Coordinator(StageOps):
     def link_alive(self, node_id: str) -> bool:
         return any(link.alive for link in self._links if link.node.id == node_id)
 
+    def generate_choices(
+        self, request_id: str, prompt: list[int], params: Sequence[SamplingParams]
+    ) -> list[AsyncIterator[TokenEvent]]:
+        """The ``n`` choices of one prompt, its prefill computed once (``shared_prefill.py``)."""
+        seqs = [f"{request_id}.{next(self._seq)}" for _ in params]
+        share = SharedPrefill(seqs) if len(params) > 1 and len(prompt) > 1 else None
+        return [
+            self.generate(request_id, prompt, p, seq=q, share=share)
+            for p, q in zip(params, seqs, strict=True)
+        ]
+
     async def generate(
-        self, request_id: str, prompt: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        *,
+        seq: str | None = None,
+        share: SharedPrefill | None = None,
     ) -> AsyncIterator[TokenEvent]:
-        await self._await_recovery()
+        """``share``: this choice leads or follows its prompt's shared prefill."""
+        seq = seq or f"{request_id}.{next(self._seq)}"
+        if share is not None and seq != share.leader_seq:
+            # Wait for the leader's head before taking a slot (the leader may need one).
+            if await share.source() is None:
+                share = None  # it failed first: prefill alone
+        try:
+            await self._await_recovery()
+        except BaseException:
+            _leader_gone(share, seq)
+            raise
         if not prompt:
             raise ValueError("the prompt is empty")
-        seq = f"{request_id}.{next(self._seq)}"
         self.trace.instant("batch_arrival", 0, seq=seq, prompt_tokens=len(prompt))
         self.waiting += 1
         try:
             await self._slots.acquire()
+        except BaseException:
+            _leader_gone(share, seq)
+            raise
         finally:
             self.waiting -= 1
         self.active += 1
         started = last = time.monotonic()
         produced = 0
         try:
-            async for item in self._replayed(seq, prompt, params):
+            async for item in self._replayed(seq, prompt, params, share):
                 now = time.monotonic()
                 if self.metrics is not None:
                     if produced == 0:
@@ -294,8 +317,9 @@ class Coordinator(StageOps):
             self._slots.release()
 
     async def _replayed(
-        self, seq: str, prompt: list[int], params: SamplingParams
-    ) -> AsyncIterator[TokenEvent]:
+        self, seq: str, prompt: list[int], params: SamplingParams,
+        share: SharedPrefill | None = None,
+    ) -> AsyncIterator[TokenEvent]:  # fmt: skip
         """The sequence's tokens; a stage lost under it pauses it, and once the pipeline is
         back it is admitted again with prompt + the tokens sent so far, going on from there."""
         if self.failover is not None and params.temperature > 0 and params.seed is None:
@@ -306,7 +330,7 @@ class Coordinator(StageOps):
             try:
                 async for item in self._generate(
                     f"{seq}~{attempt}" if attempt else seq, [*prompt, *produced], params,
-                    len(produced),
+                    len(produced), None if attempt else share,
                 ):  # fmt: skip
                     produced.append(item.token)
                     yield item
@@ -325,20 +349,23 @@ class Coordinator(StageOps):
             raise BackendUnavailable(f"the pipeline is down: {self._broken}")
 
     async def _generate(
-        self, seq: str, prompt: list[int], params: SamplingParams, done: int = 0
-    ) -> AsyncIterator[TokenEvent]:
-        """One run of a sequence whose first ``done`` tokens were sent already (a replay)."""
+        self, seq: str, prompt: list[int], params: SamplingParams, done: int = 0,
+        share: SharedPrefill | None = None,
+    ) -> AsyncIterator[TokenEvent]:  # fmt: skip
+        """One run of a sequence whose first ``done`` tokens were sent already (a replay);
+        ``share``: its prompt's shared prefill (``shared_prefill.py``)."""
         params = replace(params, max_tokens=params.max_tokens - done)
-        await self._admit(seq, prompt, params, first_draw=done)
+        try:
+            await self._admit(seq, prompt, params, first_draw=done)
+        except BaseException:
+            _leader_gone(share, seq)
+            if share is not None and seq != share.leader_seq:
+                await self._release(seq)  # the copies of the leader's head it holds
+            raise
         queue: asyncio.Queue[TokenEvent | Exception] = asyncio.Queue()
         self._queues[seq] = queue
         try:
-            step = 0
-            head, last = prompt[:-1], prompt[-1:]
-            for i in range(0, len(head), PREFILL_STEP_SIZE):
-                await self._send_input(seq, step, head[i : i + PREFILL_STEP_SIZE], False, False)
-                step += 1
-            await self._send_input(seq, step, last, True, params.logprobs)
+            step = await self._prefill(seq, prompt, params, share)
             pending: asyncio.Future[TokenEvent] | None = None
             for produced in range(params.max_tokens):
                 if pending is None:
@@ -352,8 +379,9 @@ class Coordinator(StageOps):
                 if produced + 1 < params.max_tokens and not eos:
                     # Queue the next step before handing this token out: the pipeline works
                     # while the caller detokenizes and streams.
-                    if self._batcher is not None:
-                        # Decode steps join a micro-batch; the prefill ran on its own.
+                    if self._batcher is not None and not params.top_logprobs:
+                        # Decode steps join a micro-batch; the prefill ran on its own (and a
+                        # sequence reporting top logprobs decodes alone: they ride on TokenMeta).
                         pending = self._batcher.submit(seq, item.token, params.logprobs)
                     else:
                         step += 1
@@ -367,17 +395,42 @@ class Coordinator(StageOps):
                 self._batcher.leave(seq)
             await self._release(seq)
 
+    async def _prefill(
+        self, seq: str, prompt: list[int], params: SamplingParams, share: SharedPrefill | None
+    ) -> int:
+        """Send the prompt: the head in chunks (the leader of a shared prefill names its
+        followers on the last one), then the last token to sample from; a follower holds the
+        leader's head already. Returns the last token's step number."""
+        head, last = prompt[:-1], prompt[-1:]
+        step = 0
+        if share is None or seq == share.leader_seq:
+            forks = share.followers if share is not None else None
+            try:
+                for i in range(0, len(head), PREFILL_STEP_SIZE):
+                    final = i + PREFILL_STEP_SIZE >= len(head)
+                    chunk = head[i : i + PREFILL_STEP_SIZE]
+                    await self._send_input(seq, step, chunk, False, False, forks if final else None)
+                    step += 1
+            finally:
+                if share is not None:
+                    share.head_done(seq if step else None)
+        await self._send_input(seq, step, last, True, params.logprobs)
+        return step
+
     # -- internals -----------------------------------------------------------------------------
 
     def _eos(self) -> set[int]:
         return set(getattr(self._tokenizer, "eos_token_ids", ()) or ())
 
     async def _send_input(
-        self, seq: str, step: int, tokens: list[int], sample: bool, logprobs: bool
-    ) -> None:
+        self, seq: str, step: int, tokens: list[int], sample: bool, logprobs: bool,
+        forks: list[str] | None = None,
+    ) -> None:  # fmt: skip
         link = self._links[0]
         array = np.asarray([tokens], dtype=np.int32)
-        meta = {"seq": seq, "step": step, "sample": sample, "logprobs": logprobs}
+        meta: dict[str, Any] = {"seq": seq, "step": step, "sample": sample, "logprobs": logprobs}
+        if forks:
+            meta["forks"] = forks
         try:
             await link.channel.send(MessageKind.ACTIVATION, meta, array)
         except ChannelClosedError as exc:
@@ -401,9 +454,10 @@ class Coordinator(StageOps):
         command: StrictModel,
         reply: type[ReplyT],
         timeout_s: float = REPLY_TIMEOUT_S,
+        payload: Any = None,
     ) -> ReplyT:
         with self._answering(link):
-            return await link.control.ask(command, reply, timeout_s=timeout_s)
+            return await link.control.ask(command, reply, timeout_s=timeout_s, payload=payload)
 
     @contextlib.contextmanager
     def _answering(self, link: StageLink) -> Iterator[None]:
@@ -413,65 +467,6 @@ class Coordinator(StageOps):
         except (ChannelClosedError, TimeoutError, BadReplyError) as exc:
             self._fail(link, f"stage {link.node.id} did not answer: {exc or 'timeout'}")
             raise self._lost("a stage did not answer") from None
-
-    async def _read(self, link: StageLink) -> None:
-        # A stage in the chain that says nothing (not even a heartbeat) for the timeout is a
-        # lost one; before its configure it sends no heartbeats (a recovery's new links).
-        beats = self.failover.heartbeat_timeout_s if self.failover is not None else None
-        try:
-            while True:
-                timeout = beats if link.configured else None
-                try:
-                    async with asyncio.timeout(timeout):
-                        message = await link.channel.recv()
-                except TimeoutError:
-                    self._fail(link, f"stage {link.node.id} sent nothing for {timeout:g} s")
-                    return
-                self._dispatch(link, message)
-        except ChannelClosedError as exc:
-            closed = "closed its connection" if exc.clean else f"was lost: {exc}"
-            self._fail(link, f"stage {link.node.id} {closed}")
-        except FrameError as exc:
-            self._fail(link, f"lost stage {link.node.id}: {exc}")
-        except Exception as exc:
-            self._fail(link, f"bad message from stage {link.node.id}: {exc}")
-
-    def _dispatch(self, link: StageLink, message: Message) -> None:
-        if message.kind is MessageKind.REPLY:
-            link.control.deliver(message)
-        elif (
-            message.kind is MessageKind.TOKENS
-            and message.tensor is not None
-            and "group" in message.meta
-            and self._batcher is not None
-        ):
-            batch = BatchTokenMeta.model_validate(dict(message.meta))
-            tokens = np.frombuffer(message.tensor.data, dtype=np.int32).tolist()
-            self._batcher.on_tokens(batch.group, batch.seqs, tokens, batch.logprobs)
-        elif message.kind is MessageKind.ERROR:
-            self._failed(link, message.meta)
-        elif message.kind is MessageKind.TOKENS and message.tensor is not None:
-            meta = TokenMeta.model_validate(dict(message.meta))
-            token = int(np.frombuffer(message.tensor.data, dtype=np.int32)[0])
-            queue = self._queues.get(meta.seq)
-            if queue is not None:
-                queue.put_nowait(TokenEvent(token=token, logprob=meta.logprob))
-        elif message.kind is MessageKind.CONTROL:
-            parse_control(message.meta)  # a heartbeat: receiving it was the point
-
-    def _failed(self, link: StageLink, meta: Any) -> None:
-        """A stage could not compute some sequences: their requests fail, nothing else."""
-        if "group" in meta:
-            group = GroupFailure.model_validate(dict(meta))
-            if self._batcher is not None:
-                self._batcher.fail_group(group.group, f"stage {link.node.id}: {group.message}")
-            return
-        failure = SequenceFailure.model_validate(dict(meta))
-        queue = self._queues.get(failure.seq)
-        if queue is not None:
-            queue.put_nowait(
-                SequenceFailed(f"stage {failure.stage} failed on this request: {failure.message}")
-            )
 
     def _fail(self, link: StageLink, reason: str) -> None:
         if not link.alive:
@@ -535,3 +530,9 @@ class Coordinator(StageOps):
         self._links, self.plan, self._broken = links, plan, None
         if self._batcher is not None:  # the old groups' caches went with the old pipeline
             self._batcher = MicroBatcher(self._micro_batch_size, self._send_group)
+
+
+def _leader_gone(share: SharedPrefill | None, seq: str) -> None:
+    """A leader that fails before sending its head lets its followers prefill alone."""
+    if share is not None and seq == share.leader_seq:
+        share.head_done(None)

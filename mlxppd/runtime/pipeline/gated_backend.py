@@ -9,7 +9,7 @@ already running finish.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from mlxppd.runtime.pipeline.backend import (
@@ -87,21 +87,36 @@ class GatedBackend:
             return Health(ready=False, detail=detail, stages=health.stages)
         return health
 
-    async def generate(
-        self, request_id: str, prompt: list[int], params: SamplingParams
-    ) -> AsyncIterator[TokenEvent]:
+    def _open(self) -> Coordinator:
+        """The coordinator, when admissions are open (AdmissionClosed otherwise)."""
         if self._holds:
             raise AdmissionClosed(next(iter(self._holds.values())), DRAIN_RETRY_AFTER_S)
         coordinator = self.coordinator
         if coordinator is None:
             why = self.refusal or "the pipeline is connecting; retry shortly"
             raise AdmissionClosed(why, DRAIN_RETRY_AFTER_S)
+        return coordinator
+
+    async def _counted(self, events: AsyncIterator[TokenEvent]) -> AsyncIterator[TokenEvent]:
         self.in_flight += 1
         self._idle.clear()
         try:
-            async for event in coordinator.generate(request_id, prompt, params):
+            async for event in events:
                 yield event
         finally:
             self.in_flight -= 1
             if self.in_flight == 0:
                 self._idle.set()
+
+    async def generate(
+        self, request_id: str, prompt: list[int], params: SamplingParams
+    ) -> AsyncIterator[TokenEvent]:
+        coordinator = self._open()
+        async for event in self._counted(coordinator.generate(request_id, prompt, params)):
+            yield event
+
+    def generate_choices(
+        self, request_id: str, prompt: list[int], params: Sequence[SamplingParams]
+    ) -> list[AsyncIterator[TokenEvent]]:
+        streams = self._open().generate_choices(request_id, prompt, params)
+        return [self._counted(stream) for stream in streams]

@@ -7,7 +7,7 @@ so concurrent requests interleave token by token without touching the event loop
 from __future__ import annotations
 
 import itertools
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +24,8 @@ from mlxppd.core.stages import stage_specs
 from mlxppd.engine.cpu_weights import resolve_for_process
 from mlxppd.engine.families.base import text_config
 from mlxppd.engine.kv_sizing import kv_bytes_per_token
-from mlxppd.engine.pipeline import InProcessPipeline
-from mlxppd.engine.sampling import make_sampler
+from mlxppd.engine.pipeline import InProcessPipeline, StepOutput
+from mlxppd.engine.sampling import SequenceSampler, make_sampler
 from mlxppd.engine.stage import load_stage
 from mlxppd.engine.tokenizer import load_tokenizer
 from mlxppd.runtime.pipeline.backend import (
@@ -36,6 +36,7 @@ from mlxppd.runtime.pipeline.backend import (
     SamplingParams,
     SequenceFailed,
     TokenEvent,
+    independent_choices,
 )
 from mlxppd.runtime.system.mlx_thread import MlxThread
 
@@ -108,6 +109,31 @@ class InProcessBackend:
         )
         return Health(ready=True, detail="in-process", stages=stages)
 
+    def _steps(
+        self, pipeline: InProcessPipeline, prompt: list[int], params: SamplingParams
+    ) -> Iterator[StepOutput]:
+        """The decode loop for ``params``: mlx-lm's look-ahead loop unless the sampler needs
+        each token before the next step."""
+        spec = params.sampler_spec(prompt)
+        try:
+            draw = make_sampler(
+                params.temperature, params.top_p, params.seed,
+                top_k=params.top_k, min_p=params.min_p,
+            )  # fmt: skip
+            sampler = SequenceSampler(draw, spec, pipeline.vocab_size())
+        except Exception as exc:
+            raise RequestRefused(f"the sampler refused these parameters: {exc}") from None
+        if sampler.processors or sampler.top_logprobs:
+            return pipeline.generate_with(
+                prompt, params.max_tokens, sampler, with_logprobs=params.logprobs
+            )
+        return pipeline.generate(prompt, params.max_tokens, draw, with_logprobs=params.logprobs)
+
+    def generate_choices(
+        self, request_id: str, prompt: list[int], params: Sequence[SamplingParams]
+    ) -> list[AsyncIterator[TokenEvent]]:
+        return independent_choices(self, request_id, prompt, params)
+
     async def generate(
         self, request_id: str, prompt: list[int], params: SamplingParams
     ) -> AsyncIterator[TokenEvent]:
@@ -120,13 +146,7 @@ class InProcessBackend:
         if problem is not None:
             raise AdmissionRejected(problem)
         try:
-            try:
-                sampler = make_sampler(params.temperature, params.top_p, params.seed)
-            except Exception as exc:
-                raise RequestRefused(f"the sampler refused these parameters: {exc}") from None
-            steps = pipeline.generate(
-                prompt, params.max_tokens, sampler, with_logprobs=params.logprobs
-            )
+            steps = self._steps(pipeline, prompt, params)
             while True:
                 try:
                     step = await self._mlx.run(lambda: next(steps, None))
@@ -134,7 +154,7 @@ class InProcessBackend:
                     raise SequenceFailed(f"the model failed on this request: {exc}") from exc
                 if step is None:
                     return
-                yield TokenEvent(token=step.token, logprob=step.logprob)
+                yield TokenEvent(token=step.token, logprob=step.logprob, top=step.top)
         finally:
             for manager in self.kv:
                 manager.release(seq_id)

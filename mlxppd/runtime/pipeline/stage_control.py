@@ -36,11 +36,12 @@ from mlxppd.core.protocol.control import (
     WireCounters,
     clip,
 )
+from mlxppd.core.protocol.sampling import parse_sampler_spec
 from mlxppd.core.stage_accounting import ActivityClock, LatencyHistogram
 from mlxppd.core.stages import StageSpec
 from mlxppd.core.strict import StrictModel
 from mlxppd.engine.blas import blas_in_use
-from mlxppd.engine.sampling import make_sampler
+from mlxppd.engine.sampling import SequenceSampler, make_sampler
 from mlxppd.engine.stage_runner import StageRunner
 from mlxppd.runtime.observability.trace import TraceBuffer
 from mlxppd.runtime.pipeline.stage_work import PrepareLayers, ReleaseAllWork, StageStats, Work
@@ -127,12 +128,13 @@ class StageControl:
             return Ack(rid=command.rid, ok=False, error=clip(str(exc)))
         return Ack(rid=command.rid)
 
-    def _admit(self, command: Admit) -> AdmitReply:
+    def _admit(self, command: Admit, payload: Any = None) -> AdmitReply:
+        """``payload``: the last stage's ``SamplerSpec`` (JSON), when the request has one."""
         request = AdmissionRequest(command.seq, command.prompt_tokens, command.max_tokens)
         problem = (
             self._closed_reason(command)
             or self.kv.dry_run(request)
-            or self._sampling_refused(command)
+            or self._sampling_refused(command, payload)
         )
         if problem is None and command.commit:
             self.kv.commit(request)
@@ -150,15 +152,22 @@ class StageControl:
             return self.kv.refusal(RejectReason.PLAN_MISMATCH)
         return None
 
-    def _sampling_refused(self, command: Admit) -> AdmissionDiagnostic | None:
+    def _sampling_refused(self, command: Admit, payload: Any) -> AdmissionDiagnostic | None:
         """The last stage makes the sequence's sampler here (dry run included), so parameters
         it cannot serve refuse this one request instead of failing later on the mlx thread."""
         if not self.spec.has_lm_head:
             return None
         try:
-            sampler = make_sampler(
-                command.temperature, command.top_p, command.seed, command.first_draw
-            )
+            spec = parse_sampler_spec(bytes(payload.data)) if payload is not None else None
+            draw = make_sampler(
+                command.temperature, command.top_p, command.seed, command.first_draw,
+                top_k=spec.top_k if spec else 0, min_p=spec.min_p if spec else 0.0,
+            )  # fmt: skip
+            vocab = None
+            if spec is not None and spec.logit_bias:  # a bias must name a token of the model
+                size = self._layers().stage.config.get("vocab_size")
+                vocab = size if isinstance(size, int) else None
+            sampler = SequenceSampler(draw, spec, vocab)
         except Exception as exc:
             log.warning("stage %d: refusing %s: %s", self.spec.index, escape(command.seq), exc)
             return self.kv.refusal(RejectReason.INVALID_REQUEST)

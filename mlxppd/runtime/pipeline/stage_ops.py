@@ -13,6 +13,8 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
+import numpy as np
+
 from mlxppd.core.errors import TemporaryError
 from mlxppd.core.kv_admission import AdmissionDiagnostic, RejectReason
 from mlxppd.core.layer_ranges import LayerRange
@@ -86,7 +88,7 @@ class StageOps:
 
         async def _request(
             self, link: StageLink, command: StrictModel, reply: type[ReplyT],
-            timeout_s: float = ...,
+            timeout_s: float = ..., payload: Any = None,
         ) -> ReplyT: ...  # fmt: skip
 
         def _answering(self, link: StageLink) -> Any: ...
@@ -219,6 +221,10 @@ class StageOps:
         self, seq: str, prompt: list[int], params: SamplingParams, first_draw: int = 0
     ) -> None:
         plan = [(r.start, r.end) for r in self.plan] if self.plan is not None else None
+        spec = params.sampler_spec(prompt)
+        # The sampler's extras go to the last stage only, as a JSON payload.
+        sampler = np.frombuffer(spec.model_dump_json().encode(), np.uint8) if spec else None
+        last = len(self._links) - 1
         for commit in (False, True):
             command = Admit(
                 seq=seq, prompt_tokens=len(prompt), max_tokens=params.max_tokens, commit=commit,
@@ -226,7 +232,10 @@ class StageOps:
                 first_draw=first_draw,
             )  # fmt: skip
             replies = await asyncio.gather(
-                *(self._request(link, command, AdmitReply) for link in self._links)
+                *(
+                    self._request(link, command, AdmitReply, payload=sampler if i == last else None)
+                    for i, link in enumerate(self._links)
+                )
             )
             refusals = [r.refusal(i) for i, r in enumerate(replies)]
             refused = [d for d in refusals if d is not None]

@@ -249,7 +249,7 @@ class StageWorker(StageControl, StageModel):
         if isinstance(command, Configure):
             await send_reply(channel, await self._configure(channel, command))
         elif isinstance(command, Admit):
-            await send_reply(channel, self._admit(command))
+            await send_reply(channel, self._admit(command, message.tensor))
         elif isinstance(command, Release):
             await self._work.put(ReleaseWork(command.seq))
         elif isinstance(command, Status):
@@ -321,7 +321,10 @@ class StageWorker(StageControl, StageModel):
             x = from_wire(tensor)
             if sample:
                 return self._layers().forward_and_sample(meta.seq, x, meta.logprobs)
-            return to_wire(self._layers().forward(meta.seq, x))
+            out = to_wire(self._layers().forward(meta.seq, x))
+            for seq in meta.forks or ():
+                self._layers().fork(meta.seq, seq)
+            return out
 
         start_us = now_us()
         try:
@@ -335,7 +338,8 @@ class StageWorker(StageControl, StageModel):
         if self.spec.has_lm_head:
             if sample:
                 token = np.array([result.token], dtype=np.int32)
-                out = TokenMeta(seq=meta.seq, step=meta.step, logprob=result.logprob)
+                top = list(result.top) if result.top is not None else None
+                out = TokenMeta(seq=meta.seq, step=meta.step, logprob=result.logprob, top=top)
                 await self._out.put((MessageKind.TOKENS, out, token))
             return
         await self._out.put((MessageKind.ACTIVATION, meta, result))

@@ -1,0 +1,142 @@
+"""The full sampling surface through a live 2-stage cluster (``serve --pp-size 2``, decode steps
+micro-batched), with the official ``openai`` client: ``n`` choices, ``logprobs`` with
+``top_logprobs``, stop lists, and every sampling parameter doing what mlx-lm's own sampler and
+logits processors do with the same settings (checked on the cases where both are
+deterministic: greedy with penalties or a bias, top-k 1, min-p 1, a tiny top-p)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from tests.cluster_support import RunningCluster, start_cluster, wait_gone
+
+pytestmark = pytest.mark.slow
+
+MESSAGES = [{"role": "user", "content": "Tell me a story about a dragon."}]
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    tmp_path_factory: pytest.TempPathFactory, model_cache: Path, embedded_model_dir: Path
+) -> Iterator[RunningCluster]:
+    env = {**os.environ, "MLXPP_MODEL_CACHE": str(model_cache), "HF_HUB_OFFLINE": "1"}
+    flags = ("--pp-size", "2", "--pp-micro-batch-size", "4", "--alias", "x")
+    running = start_cluster(tmp_path_factory.mktemp("sampling"), env, *flags)
+    yield running
+    assert running.stop() == 0, running.log()
+    assert wait_gone(running.stage_pids) == []
+
+
+@pytest.fixture(scope="module")
+def client(cluster: RunningCluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=cluster.url + "/v1", api_key="none", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def mlx_lm_reference(embedded_model_dir: Path) -> Any:
+    """``reference(sampler=..., logits_processors=...)``: single-process mlx-lm's answer."""
+    from mlx_lm import generate
+
+    from tests.reference_support import load_reference
+
+    model, tokenizer = load_reference(embedded_model_dir)
+    prompt = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
+
+    def reference(**kw: Any) -> str:
+        return str(generate(model, tokenizer, prompt, max_tokens=MAX_TOKENS, **kw))
+
+    reference.tokenizer = tokenizer  # type: ignore[attr-defined]
+    return reference
+
+
+def ask(client: openai.OpenAI, **kw: Any) -> Any:
+    args: dict[str, Any] = {"model": "x", "messages": MESSAGES, "max_tokens": MAX_TOKENS}
+    return client.chat.completions.create(**{**args, **kw})
+
+
+def test_n_choices_come_back_independent_and_counted_once(client: openai.OpenAI) -> None:
+    greedy = ask(client, temperature=0).choices[0].message.content
+    same = ask(client, temperature=0, n=3)
+    assert [c.index for c in same.choices] == [0, 1, 2]
+    assert {c.message.content for c in same.choices} == {greedy}
+    one = ask(client, temperature=0)
+    assert same.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counts once
+    assert same.usage.completion_tokens == 3 * one.usage.completion_tokens
+
+    sampled = ask(client, temperature=1.0, seed=11, n=3)
+    texts = [c.message.content for c in sampled.choices]
+    assert len(set(texts)) > 1, texts  # each choice draws its own tokens
+    assert [c.message.content for c in ask(client, temperature=1.0, seed=11, n=3).choices] == texts
+    # Choice 0 draws what a single request with the seed draws.
+    assert ask(client, temperature=1.0, seed=11).choices[0].message.content == texts[0]
+
+    stream = ask(client, temperature=1.0, seed=11, n=3, stream=True)
+    assembled = ["", "", ""]
+    finished = set()
+    for chunk in stream:
+        for choice in chunk.choices:
+            assembled[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finished.add(choice.index)
+    assert assembled == texts and finished == {0, 1, 2}
+
+
+def test_top_logprobs_come_sorted_with_the_chosen_token_first_when_greedy(
+    client: openai.OpenAI,
+) -> None:
+    answer = ask(client, temperature=0, logprobs=True, top_logprobs=5)
+    content = answer.choices[0].logprobs.content
+    assert len(content) == answer.usage.completion_tokens
+    for entry in content:
+        top = entry.top_logprobs
+        assert len(top) == 5
+        assert [t.logprob for t in top] == sorted((t.logprob for t in top), reverse=True)
+        assert top[0].token == entry.token and abs(top[0].logprob - entry.logprob) < 1e-5
+    with pytest.raises(openai.BadRequestError) as refused:
+        ask(client, temperature=0, top_logprobs=5)  # without logprobs: OpenAI's rule
+    assert "top_logprobs needs logprobs" in str(refused.value)
+
+
+def test_stop_takes_a_list(client: openai.OpenAI) -> None:
+    full = ask(client, temperature=0).choices[0].message.content
+    words = full.split()
+    cut = ask(client, temperature=0, stop=["zzz", words[2]]).choices[0]
+    assert cut.finish_reason == "stop"
+    assert cut.message.content == full[: full.index(words[2])]
+
+
+def test_each_sampling_parameter_does_what_mlx_lms_does(
+    client: openai.OpenAI, mlx_lm_reference: Any
+) -> None:
+    from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+    greedy = mlx_lm_reference()
+    first = mlx_lm_reference.tokenizer.encode(greedy, add_special_tokens=False)[0]
+    cases: list[tuple[dict[str, Any], dict[str, Any]]] = [
+        ({"extra_body": {"repetition_penalty": 1.5}}, {"repetition_penalty": 1.5}),
+        ({"presence_penalty": 1.5}, {"presence_penalty": 1.5}),
+        ({"frequency_penalty": 1.5}, {"frequency_penalty": 1.5}),
+        ({"logit_bias": {str(first): -100}}, {"logit_bias": {first: -100.0}}),
+    ]
+    changed = []
+    for ours, theirs in cases:
+        expected = mlx_lm_reference(logits_processors=make_logits_processors(**theirs))
+        got = ask(client, temperature=0, **ours).choices[0].message.content
+        assert got == expected, (ours, got, expected)
+        changed.append(got != greedy)
+    # Not vacuous: the bias removes greedy's first token, and the penalties change the text.
+    assert changed[-1] and sum(changed) >= 3, changed
+    # Sampling cases that keep one token: mlx-lm's sampler with them is greedy, and so is ours.
+    for extra in ({"top_k": 1}, {"min_p": 1.0}):
+        theirs = make_sampler(temp=1.0, **extra)
+        assert mlx_lm_reference(sampler=theirs) == greedy
+        got = ask(client, temperature=1.0, seed=3, extra_body=extra).choices[0].message.content
+        assert got == greedy, extra
+    assert ask(client, temperature=1.0, seed=3, top_p=1e-6).choices[0].message.content == greedy
