@@ -140,3 +140,29 @@ def test_each_sampling_parameter_does_what_mlx_lms_does(
         got = ask(client, temperature=1.0, seed=3, extra_body=extra).choices[0].message.content
         assert got == greedy, extra
     assert ask(client, temperature=1.0, seed=3, top_p=1e-6).choices[0].message.content == greedy
+
+
+def test_a_chats_next_turns_reuse_the_kept_prefix_and_answer_the_same(
+    client: openai.OpenAI, mlx_lm_reference: Any, embedded_model_dir: Path
+) -> None:
+    from mlx_lm import generate
+
+    from tests.reference_support import load_reference
+
+    model, tokenizer = load_reference(embedded_model_dir)
+    messages: list[dict[str, str]] = []
+    cached = []
+    for question in ("Describe a quiet forest at dawn.", "Make it shorter.", "Give it a title."):
+        messages.append({"role": "user", "content": question})
+        answer = ask(client, messages=messages, temperature=0)
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        # The same text as computing the whole conversation afresh (single-process mlx-lm).
+        expected = generate(model, tokenizer, prompt, max_tokens=MAX_TOKENS)
+        assert answer.choices[0].message.content == expected
+        cached.append(answer.usage.prompt_tokens_details.cached_tokens)
+        assert cached[-1] < answer.usage.prompt_tokens
+        messages.append({"role": "assistant", "content": expected})
+    # Turns 2 and 3 start from what the turn before left on every stage (turn 1 may share
+    # the chat template's system preamble with earlier requests, no more).
+    assert cached[0] < cached[1] < cached[2], cached
+    assert cached[1] > cached[0] + MAX_TOKENS // 2, cached

@@ -84,7 +84,13 @@ def test_dry_run_without_peers_plans_with_equal_memory(
 ) -> None:
     a, b = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     out = tmp_path / "cluster.toml"
-    tb = ("--transport-backend", "thunderbolt")
+    # Its own control port: the default (39600) may be a local cluster's in another test.
+    tb = (
+        "--transport-backend",
+        "thunderbolt",
+        "--cluster-control-addr",
+        f"127.0.0.1:{free_port()}",
+    )
     done = dry_run(cli_env, secret, out, "--cluster-peers", f"{b},{a}", "--port", "18099", *tb)
     assert done.returncode == 0, done.stderr
     first, second = sorted([a, b])

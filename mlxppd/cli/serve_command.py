@@ -105,6 +105,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "ceil(--parallel / stages), the GPipe sizing that fills every stage "
         "(default 1: each sequence is its own micro-batch)",
     )
+    p.add_argument(
+        "--prompt-cache-entries",
+        type=int,
+        metavar="N",
+        help="prompt prefixes every stage keeps for reuse (a chat's next turn prefills only "
+        "its new tokens), evicted least recently used and when a stage's KV budget is full; "
+        "0: none (default 8)",
+    )
     cpu_weights_flag(p, default=None)
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up request at start")
     p.add_argument("--alias", help="model name reported by /v1/models (default: directory name)")
@@ -359,6 +367,7 @@ def _node_options(args: argparse.Namespace) -> Any:
         once_prompt=args.once,
         once_max_tokens=args.max_tokens,
         micro_batch_size=1 if micro == "auto" else int(micro),
+        prompt_cache_entries=args.prompt_cache_entries,
         metrics=args.metrics,
         metrics_port=args.metrics_port,
         metrics_ready_file=args.metrics_ready_file,

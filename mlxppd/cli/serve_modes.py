@@ -53,6 +53,7 @@ SERVE_DEFAULTS: dict[str, object] = {
     "parallel": 64,
     "max_batch_size": 64,
     "pp_micro_batch_size": "1",
+    "prompt_cache_entries": 8,
     "max_tokens": 64,
     "log_level": "INFO",
     "cluster_discovery": "static",
@@ -68,6 +69,7 @@ _HTTP = {"host", "port", "alias", "api_key", "api_key_file", "once", "max_tokens
 _PIPELINE = {
     "parallel",
     "pp_micro_batch_size",
+    "prompt_cache_entries",
     "no_warmup",
     "metrics",
     "metrics_port",

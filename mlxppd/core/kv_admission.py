@@ -104,10 +104,19 @@ class StageKvManager:
     bytes_per_token: int
     max_sequences: int = 1 << 30
     reserved: dict[str, int] = field(default_factory=dict)
+    #: prompt-cache entries the stage keeps for the coordinator: entry id -> bytes
+    pinned: dict[str, int] = field(default_factory=dict)
 
     @property
     def used_bytes(self) -> int:
-        return sum(self.reserved.values())
+        return sum(self.reserved.values()) + sum(self.pinned.values())
+
+    def pin(self, entry: str, tokens: int) -> None:
+        """Count a kept prefix of ``tokens`` against the budget until it is unpinned."""
+        self.pinned[entry] = tokens * self.bytes_per_token
+
+    def unpin(self, entry: str) -> None:
+        self.pinned.pop(entry, None)
 
     def required_bytes(self, request: AdmissionRequest) -> int:
         return request.total_tokens * self.bytes_per_token

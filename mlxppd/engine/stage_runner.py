@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import mlx.core as mx
+from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
 from mlxppd.core.protocol.pipeline import regroup
 from mlxppd.engine.sampling import GREEDY, Sampled, SequenceSampler
@@ -34,6 +35,8 @@ class StageRunner:
         self._samplers: dict[str, SequenceSampler] = {}
         self._groups: dict[str, _Group] = {}
         self._group_of: dict[str, str] = {}
+        #: prompt-cache entries kept for the coordinator: entry id -> (caches, tokens held)
+        self._entries: dict[str, tuple[list[Any], int]] = {}
 
     # -- micro-batches -------------------------------------------------------------------------
 
@@ -133,7 +136,42 @@ class StageRunner:
         sampler = self._samplers.get(seq, GREEDY)
         return sampler.sample(sampler.scores(logits), logprobs)
 
+    def keep(self, seq: str, entry: str, tokens: int) -> bool:
+        """Keep ``seq``'s caches as prompt-cache ``entry`` (it is released otherwise); False
+        when they cannot be kept (not held here, or in a batch its caches cannot leave)."""
+        caches = self._caches.get(seq)
+        group_id = self._group_of.get(seq)
+        if caches is None and group_id is not None:
+            group = self._groups[group_id]
+            row = group.seqs.index(seq)
+            try:
+                caches = [c.extract(row) for c in group.caches or ()]
+            except (AttributeError, NotImplementedError, ValueError):
+                caches = None
+        self.release(seq)
+        if not caches:
+            return False
+        self._entries[entry] = (caches, tokens)
+        return True
+
+    def start_from(self, entry: str, seq: str, tokens: int) -> None:
+        """``seq`` starts from a copy of ``entry``'s caches cut to their first ``tokens``."""
+        kept = self._entries.get(entry)
+        if kept is None:
+            raise ValueError(f"prompt-cache entry {entry} is not held here")
+        caches, held = copy.deepcopy(kept[0]), kept[1]
+        if held > tokens and not (
+            can_trim_prompt_cache(caches)
+            and trim_prompt_cache(caches, held - tokens) == held - tokens
+        ):
+            raise ValueError(f"prompt-cache entry {entry} cannot be cut to {tokens} tokens")
+        self._caches[seq] = caches
+
+    def forget(self, entry: str) -> None:
+        self._entries.pop(entry, None)
+
     def release_all(self) -> None:
+        self._entries.clear()
         self._samplers.clear()
         self._caches.clear()
         self._groups.clear()

@@ -130,6 +130,8 @@ class Generation:
         self._first: TokenEvent | None = None
         self._exhausted = False
         self.prompt_tokens = prompt_tokens
+        #: prompt tokens the stages took from a kept prefix instead of computing them
+        self.cached_tokens = 0
         self.completion_tokens = 0
         self.finish_reason = "length"
         self.text = ""
@@ -146,6 +148,8 @@ class Generation:
             self._first = await self._events.__anext__()
         except StopAsyncIteration:
             self._exhausted = True
+            return
+        self.cached_tokens = self._first.cached or 0
 
     async def close(self) -> None:
         """Close the backend's iterator, which releases the sequence's KV on every stage."""

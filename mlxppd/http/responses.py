@@ -67,13 +67,16 @@ class Shape:
         }
 
     @staticmethod
-    def _usage(gens: Sequence[Generation]) -> dict[str, int]:
+    def _usage(gens: Sequence[Generation]) -> dict[str, Any]:
         prompt = gens[0].prompt_tokens if gens else 0
         completion = sum(g.completion_tokens for g in gens)
+        cached = gens[0].cached_tokens if gens else 0
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
+            # The prompt tokens the stages took from a kept prefix (the prompt cache).
+            "prompt_tokens_details": {"cached_tokens": cached},
         }
 
     def complete(self, results: Sequence[tuple[Generation, list[TokenInfo]]]) -> dict[str, Any]:

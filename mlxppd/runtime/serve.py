@@ -68,6 +68,8 @@ class NodeOptions:
     once_prompt: str | None = None
     once_max_tokens: int = 64
     micro_batch_size: int = 1
+    prompt_cache_entries: int = 8
+    """prompt prefixes the stages keep for reuse (0: none)"""
     metrics: bool = False
     metrics_port: int | None = None
     metrics_ready_file: Path | None = None
@@ -207,6 +209,7 @@ async def start_coordinator(options: NodeOptions) -> Coordinator:
         model_dir=model_dir,
         digest_cache=default_cache_dir(),
         micro_batch_size=options.micro_batch_size,
+        prompt_cache=options.prompt_cache_entries,
         parallel=options.parallel,
         warmup=options.warmup,
         trace_path=options.trace_path,

@@ -107,6 +107,7 @@ def desired_state(
             layers=ranges,
             parallel=host.parallel,
             micro_batch_size=host.micro_batch_size,
+            prompt_cache_entries=host.prompt_cache_entries,
             api_key=host.api_key,
         )
         return DesiredState(node.id, generation, cluster.cluster.elastic, coordinator=coordinator)

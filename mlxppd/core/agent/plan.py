@@ -112,11 +112,19 @@ class CoordinatorTarget:
     """sequences generating at once"""
     micro_batch_size: int = 1
     """decode sequences per pipeline pass"""
+    prompt_cache_entries: int = 8
+    """prompt prefixes the stages keep for reuse (0: none)"""
     api_key: str | None = field(default=None, repr=False)
 
     def pipeline_key(self) -> tuple[object, ...]:
         """What needs a new pipeline (reconnect) when it changes; layers alone do not."""
-        return (self.transport, self.stages, self.parallel, self.micro_batch_size)
+        return (
+            self.transport,
+            self.stages,
+            self.parallel,
+            self.micro_batch_size,
+            self.prompt_cache_entries,
+        )
 
     def http_key(self) -> tuple[object, ...]:
         return (self.http_host, self.http_port, self.api_key)

@@ -146,6 +146,13 @@ class HostSettings(BaseSettings):
     micro_batch_size: int = Field(
         1, ge=1, description="Decode sequences per pipeline pass (sequences)."
     )
+    prompt_cache_entries: int = Field(
+        8,
+        ge=0,
+        le=4096,
+        description="Coordinator only: prompt prefixes every stage keeps for reuse, evicted "
+        "least recently used (entries; 0: none).",
+    )
     metrics: bool = Field(True, description="Serve Prometheus metrics at /metrics.")
     drain_timeout_s: float = Field(
         120.0,

@@ -33,6 +33,7 @@ __all__ = [
     "AdmitReply",
     "Command",
     "Configure",
+    "Forget",
     "LatencyReport",
     "LayerLoad",
     "ReassignReply",
@@ -127,10 +128,21 @@ class Admit(StrictModel):
 
 
 class Release(StrictModel):
-    """Free a sequence's KV (no reply)."""
+    """Free a sequence's KV (no reply); ``keep``: keep its caches as a prompt-cache entry."""
 
     op: Literal["release"] = "release"
     seq: SeqId
+    keep: SeqId | None = Field(None, description="the entry id to keep the caches under")
+    keep_tokens: int = Field(
+        0, ge=0, le=2 * MAX_SEQUENCE_TOKENS, description="tokens the kept caches hold"
+    )
+
+
+class Forget(StrictModel):
+    """Drop prompt-cache entries (no reply)."""
+
+    op: Literal["forget"] = "forget"
+    entries: list[SeqId] = Field(min_length=1, max_length=1024)
 
 
 class Configure(StrictModel):
@@ -212,6 +224,7 @@ Command = (
     | Admission
     | Reassign
     | Heartbeat
+    | Forget
     | Identify
     | PrepareCheck
     | PrepareData

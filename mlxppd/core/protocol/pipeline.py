@@ -22,6 +22,11 @@ class ForwardMeta(StrictModel):
     """ACTIVATION: run the stage's layers on this input for one sequence."""
 
     seq: SeqId
+    cached: tuple[SeqId, Annotated[int, Field(ge=1, le=1 << 24)]] | None = Field(
+        None,
+        description="start from a copy of this prompt-cache entry's caches, cut to its first "
+        "N tokens (the sequence's first input only)",
+    )
     forks: list[SeqId] | None = Field(
         None,
         max_length=64,

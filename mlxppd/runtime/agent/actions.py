@@ -331,6 +331,7 @@ class NodeRuntime:
             transport=target.transport,
             plan=target.layers,
             micro_batch_size=target.micro_batch_size,
+            prompt_cache=target.prompt_cache_entries,
             parallel=target.parallel,
             warmup=ctx.host.warmup,
             connect_timeout_s=self.connect_timeout_s,

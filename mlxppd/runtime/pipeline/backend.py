@@ -68,6 +68,8 @@ class TokenEvent:
     logprob: float | None = None
     top: tuple[tuple[int, float], ...] | None = None
     """the most likely tokens and their logprobs, most likely first (top_logprobs)"""
+    cached: int | None = None
+    """first token only: prompt tokens taken from a kept prefix instead of computed"""
 
 
 @dataclass(frozen=True)

@@ -22,12 +22,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-import numpy as np
-
 from mlxppd.core.config.cluster import ClusterConfig, Node
 from mlxppd.core.errors import TemporaryError
 from mlxppd.core.layer_ranges import LayerRange
 from mlxppd.core.model_identity import IdentityCheck
+from mlxppd.core.prompt_cache import PromptIndex, Reuse
 from mlxppd.core.protocol.control import (
     Ack,
     Configure,
@@ -39,6 +38,7 @@ from mlxppd.runtime.pipeline.backend import (
     BackendUnavailable,
     Health,
     SamplingParams,
+    SequenceFailed,
     TokenEvent,
 )
 from mlxppd.runtime.pipeline.control_client import BadReplyError, ControlClient
@@ -51,22 +51,21 @@ from mlxppd.runtime.pipeline.failover import (
 from mlxppd.runtime.pipeline.identity_check import IdentityReference
 from mlxppd.runtime.pipeline.link_reader import LinkReader
 from mlxppd.runtime.pipeline.micro_batcher import MicroBatcher
+from mlxppd.runtime.pipeline.prompt_send import PromptSender
 from mlxppd.runtime.pipeline.shared_prefill import SharedPrefill
 from mlxppd.runtime.pipeline.stage_link import StageLink
 from mlxppd.runtime.pipeline.stage_ops import StageOps
-from mlxppd.wire.codec import MessageKind
 from mlxppd.wire.errors import ChannelClosedError
 from mlxppd.wire.tasks import spawn, stop_tasks
 from mlxppd.wire.transport import Transport
 
 log = logging.getLogger("mlxppd.coordinator")
 
-PREFILL_STEP_SIZE = 2048
 REPLY_TIMEOUT_S = 30.0
 ReplyT = TypeVar("ReplyT", bound=StrictModel)
 
 
-class Coordinator(StageOps, LinkReader):
+class Coordinator(StageOps, LinkReader, PromptSender):
     def __init__(
         self,
         cluster: ClusterConfig,
@@ -82,11 +81,14 @@ class Coordinator(StageOps, LinkReader):
         plan: tuple[LayerRange, ...] | None = None,
         failover: FailoverSettings | None = None,
         identity: IdentityReference | None = None,
+        prompt_cache: int = 8,
     ) -> None:
         self.cluster = cluster
         # The cluster's copy: stages are checked against it (stage_ops.verify_identities).
         self.identity = identity
         self.identity_checks: list[IdentityCheck] = []
+        #: the prompt prefixes every stage keeps (None or capacity 0: none kept)
+        self.prompts = PromptIndex(prompt_cache) if prompt_cache else None
         # None: a lost stage fails every open request (as without [cluster.failover]).
         self.failover = failover
         self._recovery: asyncio.Task[None] | None = None
@@ -179,6 +181,8 @@ class Coordinator(StageOps, LinkReader):
         """Tell each stage where its output goes (and how often to say it is alive), once
         every stage has shown it serves the cluster's model."""
         await self.verify_identities(links)
+        if self.prompts is not None:
+            self.prompts.clear()  # a new chain: no stage holds the old chain's entries
         f = self.failover
         for i, link in enumerate(links):
             nxt = links[i + 1].node if i + 1 < len(links) else None
@@ -326,15 +330,22 @@ class Coordinator(StageOps, LinkReader):
             # A replay must draw what the first run would have: fix the seed now.
             params = replace(params, seed=secrets.randbits(64))
         produced: list[int] = []
+        reuse = self.prompts.match(prompt) if self.prompts is not None and not share else None
         for attempt in itertools.count():
             try:
                 async for item in self._generate(
                     f"{seq}~{attempt}" if attempt else seq, [*prompt, *produced], params,
-                    len(produced), None if attempt else share,
+                    len(produced), None if attempt else share, reuse,
                 ):  # fmt: skip
                     produced.append(item.token)
                     yield item
                 return
+            except _CacheMiss:
+                # A stage lacks the kept prefix (restarted, or it could not cut it): forget
+                # it everywhere and compute the prompt in full.
+                assert reuse is not None
+                await self.forget_prompts([reuse.entry])
+                reuse = None
             except PipelineInterrupted:
                 await self._await_recovery()
                 log.info("coordinator: replaying %s from token %d", seq, len(produced))
@@ -350,7 +361,7 @@ class Coordinator(StageOps, LinkReader):
 
     async def _generate(
         self, seq: str, prompt: list[int], params: SamplingParams, done: int = 0,
-        share: SharedPrefill | None = None,
+        share: SharedPrefill | None = None, reuse: Reuse | None = None,
     ) -> AsyncIterator[TokenEvent]:  # fmt: skip
         """One run of a sequence whose first ``done`` tokens were sent already (a replay);
         ``share``: its prompt's shared prefill (``shared_prefill.py``)."""
@@ -365,16 +376,23 @@ class Coordinator(StageOps, LinkReader):
         queue: asyncio.Queue[TokenEvent | Exception] = asyncio.Queue()
         self._queues[seq] = queue
         try:
-            step = await self._prefill(seq, prompt, params, share)
+            step = await self._prefill(seq, prompt, params, share, reuse)
+            tokens: list[int] = []
+            final = False
             pending: asyncio.Future[TokenEvent] | None = None
             for produced in range(params.max_tokens):
                 if pending is None:
                     got = await queue.get()
+                    if isinstance(got, SequenceFailed) and reuse is not None and not produced:
+                        raise _CacheMiss() from got
                     if isinstance(got, Exception):
                         raise got
                     item = got
                 else:
                     item = await pending
+                if produced == 0 and reuse is not None:
+                    item = replace(item, cached=reuse.tokens)
+                tokens.append(item.token)
                 eos = item.token in self._eos()
                 if produced + 1 < params.max_tokens and not eos:
                     # Queue the next step before handing this token out: the pipeline works
@@ -386,6 +404,8 @@ class Coordinator(StageOps, LinkReader):
                     else:
                         step += 1
                         await self._send_input(seq, step, [item.token], True, params.logprobs)
+                # The last token: nothing more runs, so the caches hold prompt + all but it.
+                final = eos or produced + 1 == params.max_tokens
                 yield item
                 if eos:
                     return
@@ -393,60 +413,12 @@ class Coordinator(StageOps, LinkReader):
             self._queues.pop(seq, None)
             if self._batcher is not None:
                 self._batcher.leave(seq)
-            await self._release(seq)
-
-    async def _prefill(
-        self, seq: str, prompt: list[int], params: SamplingParams, share: SharedPrefill | None
-    ) -> int:
-        """Send the prompt: the head in chunks (the leader of a shared prefill names its
-        followers on the last one), then the last token to sample from; a follower holds the
-        leader's head already. Returns the last token's step number."""
-        head, last = prompt[:-1], prompt[-1:]
-        step = 0
-        if share is None or seq == share.leader_seq:
-            forks = share.followers if share is not None else None
-            try:
-                for i in range(0, len(head), PREFILL_STEP_SIZE):
-                    final = i + PREFILL_STEP_SIZE >= len(head)
-                    chunk = head[i : i + PREFILL_STEP_SIZE]
-                    await self._send_input(seq, step, chunk, False, False, forks if final else None)
-                    step += 1
-            finally:
-                if share is not None:
-                    share.head_done(seq if step else None)
-        await self._send_input(seq, step, last, True, params.logprobs)
-        return step
+            await self._release(seq, keep=(*prompt, *tokens[:-1]) if final else None)
 
     # -- internals -----------------------------------------------------------------------------
 
     def _eos(self) -> set[int]:
         return set(getattr(self._tokenizer, "eos_token_ids", ()) or ())
-
-    async def _send_input(
-        self, seq: str, step: int, tokens: list[int], sample: bool, logprobs: bool,
-        forks: list[str] | None = None,
-    ) -> None:  # fmt: skip
-        link = self._links[0]
-        array = np.asarray([tokens], dtype=np.int32)
-        meta: dict[str, Any] = {"seq": seq, "step": step, "sample": sample, "logprobs": logprobs}
-        if forks:
-            meta["forks"] = forks
-        try:
-            await link.channel.send(MessageKind.ACTIVATION, meta, array)
-        except ChannelClosedError as exc:
-            self._fail(link, f"stage {link.node.id} is unreachable: {exc}")
-            raise self._lost(str(exc)) from None
-
-    async def _send_group(
-        self, group: str, seqs: list[str], step: int, tokens: np.ndarray, logprobs: bool
-    ) -> None:
-        link = self._links[0]
-        meta = {"group": group, "seqs": seqs, "step": step, "sample": True, "logprobs": logprobs}
-        try:
-            await link.channel.send(MessageKind.ACTIVATION, meta, tokens)
-        except ChannelClosedError as exc:
-            self._fail(link, f"stage {link.node.id} is unreachable: {exc}")
-            raise self._lost(str(exc)) from None
 
     async def _request(
         self,
@@ -536,3 +508,7 @@ def _leader_gone(share: SharedPrefill | None, seq: str) -> None:
     """A leader that fails before sending its head lets its followers prefill alone."""
     if share is not None and seq == share.leader_seq:
         share.head_done(None)
+
+
+class _CacheMiss(Exception):
+    """A stage could not start a sequence from its kept prefix: run it without."""

@@ -137,6 +137,8 @@ class CoordinatorSetup:
     identity is checked against it"""
     digest_cache: Path | None = None
     """where digests of model files are cached (the model cache)"""
+    prompt_cache: int = 8
+    """prompt prefixes the stages keep for reuse (0: none)"""
 
 
 async def start_pipeline_coordinator(
@@ -156,6 +158,7 @@ async def start_pipeline_coordinator(
         model_id,
         connect_timeout_s=setup.connect_timeout_s,
         micro_batch_size=setup.micro_batch_size,
+        prompt_cache=setup.prompt_cache,
         parallel=setup.parallel,
         metrics=metrics,
         trace_path=setup.trace_path,

@@ -89,6 +89,7 @@ class StageControl:
     def _release_accounting(self) -> None:
         for held in list(self.kv.reserved):
             self.kv.release(held)
+        self.kv.pinned.clear()  # the prompt-cache entries were the coordinator's
         self.clock.set_active(0, time.monotonic())
 
     def _layers(self) -> StageRunner:

@@ -19,11 +19,13 @@ from mlxppd.core.errors import TemporaryError
 from mlxppd.core.kv_admission import AdmissionDiagnostic, RejectReason
 from mlxppd.core.layer_ranges import LayerRange
 from mlxppd.core.model_identity import IdentityCheck
+from mlxppd.core.prompt_cache import PromptIndex
 from mlxppd.core.protocol.control import (
     Ack,
     Admission,
     Admit,
     AdmitReply,
+    Forget,
     Heartbeat,
     Reassign,
     ReassignReply,
@@ -81,6 +83,7 @@ class StageOps:
     failover: Any
     identity: IdentityReference | None
     identity_checks: list[IdentityCheck]
+    prompts: PromptIndex | None
 
     if TYPE_CHECKING:  # provided by Coordinator: how a link's failure is handled
 
@@ -220,6 +223,20 @@ class StageOps:
     async def _admit(
         self, seq: str, prompt: list[int], params: SamplingParams, first_draw: int = 0
     ) -> None:
+        """Coordinated admission; a stage's full KV budget first evicts kept prompt prefixes
+        (least recently used first), then refuses."""
+        while True:
+            try:
+                return await self._admit_once(seq, prompt, params, first_draw)
+            except AdmissionRejected as exc:
+                oldest = self.prompts.oldest() if self.prompts is not None else None
+                if oldest is None or exc.diagnostic.reason is not RejectReason.MEMORY:
+                    raise
+                await self.forget_prompts([oldest])
+
+    async def _admit_once(
+        self, seq: str, prompt: list[int], params: SamplingParams, first_draw: int
+    ) -> None:
         plan = [(r.start, r.end) for r in self.plan] if self.plan is not None else None
         spec = params.sampler_spec(prompt)
         # The sampler's extras go to the last stage only, as a JSON payload.
@@ -264,11 +281,31 @@ class StageOps:
             required_bytes=d.required_bytes, available_bytes=d.available_bytes,
         )  # fmt: skip
 
-    async def _release(self, seq: str) -> None:
+    async def _release(self, seq: str, keep: tuple[int, ...] | None = None) -> None:
+        """Free ``seq`` on every stage; ``keep``: the tokens its caches hold, to keep them as
+        a prompt-cache entry instead (``core/prompt_cache.py``)."""
+        command = Release(seq=seq)
+        evicted: list[str] = []
+        if keep and self.prompts is not None and self.prompts.capacity:
+            entry = f"pc.{seq}"
+            command = Release(seq=seq, keep=entry, keep_tokens=len(keep))
+            evicted = self.prompts.add(entry, keep)
         for link in self._links:
             if link.alive:
                 with contextlib.suppress(ChannelClosedError, FrameError):
-                    await link.control.tell(Release(seq=seq))
+                    await link.control.tell(command)
+        if evicted:
+            await self.forget_prompts(evicted)
+
+    async def forget_prompts(self, entries: list[str]) -> None:
+        """Every stage drops these prompt-cache entries."""
+        if self.prompts is not None:
+            for entry in entries:
+                self.prompts.forget(entry)
+        for link in self._links:
+            if link.alive:
+                with contextlib.suppress(ChannelClosedError, FrameError):
+                    await link.control.tell(Forget(entries=entries))
 
     async def _heartbeats(self) -> None:
         """Tell every stage this coordinator is alive, every interval."""

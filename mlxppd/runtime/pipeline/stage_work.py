@@ -39,6 +39,16 @@ class GroupWork:
 @dataclass(frozen=True, slots=True)
 class ReleaseWork:
     seq: str
+    keep: str | None = None
+    """keep the caches as this prompt-cache entry"""
+    keep_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ForgetWork:
+    """Drop prompt-cache entries."""
+
+    entries: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +64,7 @@ class SwapWork:
     done: asyncio.Future[None]
 
 
-Work = ForwardWork | GroupWork | ReleaseWork | ReleaseAllWork | SwapWork
+Work = ForwardWork | GroupWork | ReleaseWork | ForgetWork | ReleaseAllWork | SwapWork
 OutMeta = (
     ForwardMeta | BatchForwardMeta | TokenMeta | BatchTokenMeta | GroupFailure | SequenceFailure
 )

@@ -27,6 +27,7 @@ from mlxppd.core.protocol.control import (
     Admission,
     Admit,
     Configure,
+    Forget,
     Heartbeat,
     Reassign,
     Release,
@@ -61,6 +62,7 @@ from mlxppd.runtime.pipeline.stage_control import ProtocolViolation, StageContro
 from mlxppd.runtime.pipeline.stage_model import StageModel
 from mlxppd.runtime.pipeline.stage_work import (
     ExtrasSource,
+    ForgetWork,
     ForwardWork,
     GroupWork,
     Output,
@@ -251,7 +253,9 @@ class StageWorker(StageControl, StageModel):
         elif isinstance(command, Admit):
             await send_reply(channel, self._admit(command, message.tensor))
         elif isinstance(command, Release):
-            await self._work.put(ReleaseWork(command.seq))
+            await self._work.put(ReleaseWork(command.seq, command.keep, command.keep_tokens))
+        elif isinstance(command, Forget):
+            await self._work.put(ForgetWork(tuple(command.entries)))
         elif isinstance(command, Status):
             await send_reply(channel, self.status(command.rid))
         elif isinstance(command, Admission):
@@ -291,11 +295,20 @@ class StageWorker(StageControl, StageModel):
                 self._failed.discard(item.seq)
                 self.kv.release(item.seq)
                 self.clock.set_active(len(self.kv.reserved), time.monotonic())
-                await self._release_here(item.seq)
+                if item.keep is not None and await self._keep_here(item):
+                    self.kv.pin(item.keep, item.keep_tokens)
+                else:
+                    await self._release_here(item.seq)
+            elif isinstance(item, ForgetWork):
+                for entry in item.entries:
+                    self.kv.unpin(entry)
+                    if self.runner is not None:
+                        await self.mlx.run(functools.partial(self.runner.forget, entry))
             elif isinstance(item, ReleaseAllWork):
                 self._failed.clear()
                 for held in list(self.kv.reserved):
                     self.kv.release(held)
+                self.kv.pinned.clear()
                 self.clock.set_active(0, time.monotonic())
                 if self.runner is not None:
                     await self.mlx.run(self.runner.release_all)
@@ -319,6 +332,8 @@ class StageWorker(StageControl, StageModel):
 
         def run() -> Any:
             x = from_wire(tensor)
+            if meta.cached is not None:
+                self._layers().start_from(meta.cached[0], meta.seq, meta.cached[1])
             if sample:
                 return self._layers().forward_and_sample(meta.seq, x, meta.logprobs)
             out = to_wire(self._layers().forward(meta.seq, x))
@@ -343,6 +358,17 @@ class StageWorker(StageControl, StageModel):
                 await self._out.put((MessageKind.TOKENS, out, token))
             return
         await self._out.put((MessageKind.ACTIVATION, meta, result))
+
+    async def _keep_here(self, item: ReleaseWork) -> bool:
+        """Keep a released sequence's caches as a prompt-cache entry (False: not kept)."""
+        if self.runner is None or item.keep is None:
+            return False
+        keep = functools.partial(self.runner.keep, item.seq, item.keep, item.keep_tokens)
+        try:
+            return bool(await self.mlx.run(keep))
+        except Exception as exc:  # the entry is simply not there: its reuse falls back
+            log.warning("stage %d: cannot keep %s: %s", self.spec.index, escape(item.seq), exc)
+            return False
 
     async def _release_here(self, seq: str) -> None:
         if self.runner is not None:
