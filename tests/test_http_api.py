@@ -197,6 +197,7 @@ def test_completions_logprobs_length_and_usage(
         "prompt_tokens": prompt_tokens,
         "completion_tokens": 6,
         "total_tokens": prompt_tokens + 6,
+        "prompt_tokens_details": {"cached_tokens": 0},  # the in-process backend keeps none
     }
     # A prompt given as token ids is the same prompt.
     ids = servers[2].backend.tokenizer.encode(prompt)

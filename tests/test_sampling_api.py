@@ -6,6 +6,7 @@ deterministic: greedy with penalties or a bias, top-k 1, min-p 1, a tiny top-p).
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -166,3 +167,117 @@ def test_a_chats_next_turns_reuse_the_kept_prefix_and_answer_the_same(
     # the chat template's system preamble with earlier requests, no more).
     assert cached[0] < cached[1] < cached[2], cached
     assert cached[1] > cached[0] + MAX_TOKENS // 2, cached
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "unit", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris this week?"}]
+
+
+def test_a_named_tool_choice_returns_a_call_that_fits_the_schema(client: openai.OpenAI) -> None:
+    import jsonschema
+
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    for seed in range(3):
+        answer = ask(
+            client, messages=ASK_WEATHER, tools=[WEATHER], tool_choice=choice, temperature=1.0,
+            seed=seed, max_tokens=64,
+        )  # fmt: skip
+        assert answer.choices[0].finish_reason == "tool_calls"
+        (call,) = answer.choices[0].message.tool_calls
+        assert call.function.name == "get_weather" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    # Streamed: the tool-call deltas assemble to the same call (greedy).
+    plain = ask(client, messages=ASK_WEATHER, tools=[WEATHER], tool_choice=choice,
+                temperature=0, max_tokens=64).choices[0].message.tool_calls[0]  # fmt: skip
+    names, arguments, finish = "", "", None
+    stream = ask(client, messages=ASK_WEATHER, tools=[WEATHER], tool_choice=choice,
+                 temperature=0, max_tokens=64, stream=True)  # fmt: skip
+    for chunk in stream:
+        for c in chunk.choices:
+            for delta in c.delta.tool_calls or ():
+                names += delta.function.name or ""
+                arguments += delta.function.arguments or ""
+            finish = c.finish_reason or finish
+    assert (names, arguments, finish) == (plain.function.name, plain.function.arguments,
+                                          "tool_calls")  # fmt: skip
+
+
+def test_a_tool_result_goes_back_into_the_conversation(client: openai.OpenAI) -> None:
+    first = ask(client, messages=ASK_WEATHER, tools=[WEATHER], tool_choice="required",
+                temperature=0, max_tokens=64).choices[0].message  # fmt: skip
+    (call,) = first.tool_calls
+    follow = [
+        *ASK_WEATHER,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"forecast": "sunny, 24 C"}'},
+    ]
+    answer = ask(client, messages=follow, tools=[WEATHER], tool_choice="none", temperature=0)
+    assert answer.choices[0].finish_reason in ("stop", "length")
+    assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+
+
+def test_json_schema_output_always_parses_and_validates(client: openai.OpenAI) -> None:
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 20},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "color": {"type": "string", "enum": ["red", "green", "blue"]},
+        },
+        "required": ["name", "age", "color"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}
+    messages = [{"role": "user", "content": "Describe a person as JSON."}]
+    outputs = []
+    for seed in range(10):  # 100 samples at temperature 1: ten requests of ten choices
+        answer = ask(client, messages=messages, response_format=fmt, temperature=1.0, n=10,
+                     seed=seed, max_tokens=48)  # fmt: skip
+        outputs += [c.message.content for c in answer.choices]
+    assert len(outputs) == 100
+    for text in outputs:
+        jsonschema.validate(json.loads(text), schema)
+    obj = ask(client, messages=messages, response_format={"type": "json_object"},
+              temperature=1.0, seed=1, max_tokens=48).choices[0].message.content  # fmt: skip
+    assert isinstance(json.loads(obj), dict)
+
+
+def test_the_anthropic_client_gets_a_message_a_stream_and_a_tool_use(
+    cluster: RunningCluster, client: openai.OpenAI
+) -> None:
+    import anthropic
+
+    claude = anthropic.Anthropic(base_url=cluster.url, api_key="none", max_retries=0, timeout=300)
+    base = {"model": "x", "max_tokens": MAX_TOKENS, "messages": MESSAGES}
+    message = claude.messages.create(**base, extra_body={"temperature": 0})
+    expected = ask(client, temperature=0).choices[0].message.content
+    assert message.content[0].text == expected and message.stop_reason == "max_tokens"
+    with claude.messages.stream(**base, extra_body={"temperature": 0}) as stream:
+        assert "".join(stream.text_stream) == expected
+    tool = {"name": "get_weather", "description": "The weather in a city.",
+            "input_schema": WEATHER["function"]["parameters"]}  # fmt: skip
+    used = claude.messages.create(
+        model="x", max_tokens=64, messages=ASK_WEATHER, tools=[tool],
+        tool_choice={"type": "tool", "name": "get_weather"}, extra_body={"temperature": 0},
+    )  # fmt: skip
+    assert used.stop_reason == "tool_use"
+    (block,) = [b for b in used.content if b.type == "tool_use"]
+    assert block.name == "get_weather" and set(block.input) == {"city", "unit", "days"}

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from mlxppd.app.api_app import api_app
 from mlxppd.app.http_site import http_url, start_site
 from mlxppd.core.agent.plan import CoordinatorTarget
 from mlxppd.http.admin_api import signed_admin_api
-from mlxppd.http.openai_api import create_app
 from mlxppd.runtime.agent.loop import Agent
 from mlxppd.runtime.agent.status import agent_admin
 from mlxppd.runtime.pipeline.gated_backend import GatedBackend
@@ -43,7 +43,7 @@ async def start_agent_http(
         metrics,
         lambda: agent.context.cluster.cluster.name if agent.context else "",
     )
-    app = create_app(
+    app = api_app(
         backend,
         api_key=target.api_key,
         metrics=metrics if context.host.metrics else None,

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mlxppd.app.api_app import api_app
 from mlxppd.app.http_site import http_url, start_site
 from mlxppd.core.agent.elastic import policy_with
 from mlxppd.core.agent.plan import StageAddress
@@ -24,7 +25,7 @@ from mlxppd.core.profile.model import profile_from_config, read_model_config
 from mlxppd.engine.families import family_for
 from mlxppd.engine.model_files import resolve_model_dir
 from mlxppd.http.admin_api import AdminApi, signed_admin_api
-from mlxppd.http.openai_api import create_app, create_metrics_app
+from mlxppd.http.openai_api import create_metrics_app
 from mlxppd.runtime.agent.status import CoordinatorAdmin, CoordinatorView
 from mlxppd.runtime.local_cluster import LocalCluster
 from mlxppd.runtime.observability.metrics import PipelineMetrics
@@ -55,7 +56,7 @@ async def serve_http(
     admin: AdminApi | None = None,
 ) -> None:
     metrics: PipelineMetrics | None = getattr(backend, "metrics", None)
-    app = create_app(
+    app = api_app(
         backend,
         api_key=options.api_key,
         alias=options.alias,

@@ -13,15 +13,17 @@ sampled, as mlx-lm's ``generate_step`` feeds its processors; their window is 20 
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import cast
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
-from mlxppd.core.protocol.sampling import PENALTY_CONTEXT, SamplerSpec
+from mlxppd.core.protocol.sampling import PENALTY_CONTEXT, GrammarSpec, SamplerSpec
+from mlxppd.engine.grammar import Constraint, GrammarCompiler
 
 Sampler = Callable[[mx.array], mx.array]
 #: how many tokens of history the processors are given (their window, with room)
@@ -101,8 +103,16 @@ class Sampled:
 class SequenceSampler:
     """Everything between one sequence's logits and its next token, on the last stage."""
 
-    def __init__(self, draw: Sampler, spec: SamplerSpec | None = None, vocab: int | None = None):
+    def __init__(
+        self,
+        draw: Sampler,
+        spec: SamplerSpec | None = None,
+        vocab: int | None = None,
+        constraint: Constraint | None = None,
+    ):
+        """``constraint``: the output's grammar (``engine/grammar.py``), applied last."""
         spec = spec or SamplerSpec()
+        self.constraint = constraint
         if vocab is not None and any(t >= vocab for t, _ in spec.logit_bias):
             raise ValueError(f"logit_bias names a token id outside the vocabulary of {vocab}")
         self.draw = draw
@@ -121,6 +131,8 @@ class SequenceSampler:
             tokens = mx.array(self.history, dtype=mx.int32)
             for processor in self.processors:
                 logits = processor(tokens, logits)
+        if self.constraint is not None:
+            logits = self.constraint.apply(logits)
         return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
     def sample(self, scores: mx.array, logprob: bool) -> Sampled:
@@ -134,6 +146,8 @@ class SequenceSampler:
         else:
             mx.eval(token, scores)
         value = cast(int, token.item())
+        if self.constraint is not None:
+            self.constraint.advance(value)
         if self.processors:
             self.history = [*self.history[-_HISTORY:], value]
         best = None
@@ -146,3 +160,17 @@ class SequenceSampler:
 
 
 GREEDY = SequenceSampler(greedy)
+
+
+def constraint_for(grammar: GrammarSpec | None, tokenizer: Any, vocab: int) -> Constraint | None:
+    """The matcher of a request's output grammar (None: unconstrained); ValueError names what
+    is wrong with the schema."""
+    if grammar is None:
+        return None
+    compiler = GrammarCompiler.for_tokenizer(tokenizer, vocab)
+    if grammar.kind == "json_object":
+        return compiler.json_object()
+    schema = json.loads(grammar.schema_text or "{}")
+    if not isinstance(schema, dict):
+        raise ValueError("a JSON schema is an object")
+    return compiler.json_schema(schema, strict=grammar.strict)

@@ -86,7 +86,7 @@ class StageRunner:
     ) -> list[Sampled]:
         logits = self.stage(x, self._regroup(group_id, seqs))[:, -1, :]
         samplers = [self._samplers.get(s, GREEDY) for s in seqs]
-        if not any(s.processors or s.top_logprobs for s in samplers):
+        if not any(s.processors or s.top_logprobs or s.constraint for s in samplers):
             # The common case: one normalization and one evaluation for the whole batch.
             scores = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             tokens = [sampler.draw(scores[i : i + 1]) for i, sampler in enumerate(samplers)]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
 import time
 import uuid
@@ -21,7 +22,9 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from mlxppd.core.log_text import escape
+from mlxppd.core.protocol.sampling import GrammarSpec
 from mlxppd.http.admin_api import AdminApi, add_admin_routes
+from mlxppd.http.chat_prompt import chat_prompt
 from mlxppd.http.completion import ClientGone, Generation, Piece, TokenInfo
 from mlxppd.http.errors import (
     ADMISSION_RETRY_AFTER_S,
@@ -32,6 +35,7 @@ from mlxppd.http.errors import (
 )
 from mlxppd.http.responses import Shape
 from mlxppd.http.sse import SseWriter
+from mlxppd.http.tools import ContentHoldback, ToolPlan, plan_tools
 from mlxppd.http.validation import ParsedRequest, parse_chat, parse_completion, parse_json_body
 from mlxppd.runtime.observability.metrics import PipelineMetrics
 from mlxppd.runtime.pipeline.backend import (
@@ -203,13 +207,15 @@ async def _off_loop(state: _State, fn: Callable[[], T]) -> T:
 
 
 def _has_key(state: _State, request: web.Request) -> bool:
-    """True when no key is set, or the request carries it."""
+    """True when no key is set, or the request carries it: ``Authorization: Bearer <key>``, or
+    ``x-api-key: <key>`` as Anthropic's clients send it."""
     if state.api_key is None:
         return True
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    if scheme.lower() != "bearer":
-        return False
-    return hmac.compare_digest(token.strip().encode(), state.api_key)
+    if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), state.api_key):
+        return True
+    key = request.headers.get("x-api-key", "").strip().encode()
+    return hmac.compare_digest(key, state.api_key)
 
 
 def _authorized(state: _State, request: web.Request) -> bool:
@@ -264,7 +270,8 @@ async def _middleware(
         if not _authorized(state, request):
             raise ApiError(
                 401,
-                "missing or incorrect API key; send 'Authorization: Bearer <key>'",
+                "missing or incorrect API key; send 'Authorization: Bearer <key>' or "
+                "'x-api-key: <key>'",
                 code="invalid_api_key",
                 headers={"WWW-Authenticate": "Bearer"},
             )
@@ -395,15 +402,17 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
     if not (getattr(tokenizer, "has_chat_template", None) or tokenizer.chat_template):
         raise invalid("this model has no chat template; use /v1/completions", "messages")
     messages = [dict(m) for m in parsed.messages or ()]
-
-    def render() -> list[int]:
-        return [int(t) for t in tokenizer.apply_chat_template(messages, add_generation_prompt=True)]
-
     try:
-        prompt = await _off_loop(state, render)
+        plan = plan_tools(parsed.tools, parsed.tool_choice)
+    except ValueError as exc:
+        raise invalid(str(exc), "tool_choice") from None
+    if plan.forced and parsed.grammar is not None:
+        raise invalid("a forced tool call and a response_format cannot both hold", "tool_choice")
+    try:
+        prompt = await _off_loop(state, lambda: chat_prompt(tokenizer, messages, plan))
     except Exception as exc:  # the template rejects the conversation (e.g. roles out of order)
         raise invalid(f"the chat template rejected the messages: {exc}", "messages") from None
-    return await _generate(request, state, parsed, prompt, chat=True)
+    return await _generate(request, state, parsed, prompt, chat=True, tools=plan)
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
@@ -457,7 +466,9 @@ def _max_tokens(state: _State, parsed: ParsedRequest, n_prompt: int, chat: bool)
     return parsed.max_tokens
 
 
-def _choice_params(parsed: ParsedRequest, max_tokens: int) -> list[SamplingParams]:
+def _choice_params(
+    parsed: ParsedRequest, max_tokens: int, tools: ToolPlan | None = None
+) -> list[SamplingParams]:
     """One SamplingParams per choice: the request's, each choice with its own seed (choice 0
     keeps the request's, so n=1 draws what it always drew)."""
     base = SamplingParams(
@@ -473,6 +484,7 @@ def _choice_params(parsed: ParsedRequest, max_tokens: int) -> list[SamplingParam
         frequency_penalty=parsed.frequency_penalty,
         logit_bias=parsed.logit_bias,
         top_logprobs=parsed.top_logprobs,
+        grammar=_grammar(parsed, tools or ToolPlan()),
     )
     if parsed.seed is None:
         return [base] * parsed.n
@@ -481,10 +493,19 @@ def _choice_params(parsed: ParsedRequest, max_tokens: int) -> list[SamplingParam
     ]
 
 
+def _grammar(parsed: ParsedRequest, tools: ToolPlan) -> GrammarSpec | None:
+    """The output's grammar: a forced tool call's, or the response_format's."""
+    if (schema := tools.call_grammar()) is not None:
+        return GrammarSpec(kind="json_schema", schema_text=json.dumps(schema))
+    return parsed.grammar
+
+
 async def _generate(
-    request: web.Request, state: _State, parsed: ParsedRequest, prompt: list[int], *, chat: bool
-) -> web.StreamResponse:
-    params = _choice_params(parsed, _max_tokens(state, parsed, len(prompt), chat))
+    request: web.Request, state: _State, parsed: ParsedRequest, prompt: list[int], *,
+    chat: bool, tools: ToolPlan | None = None,
+) -> web.StreamResponse:  # fmt: skip
+    tools = tools or ToolPlan()
+    params = _choice_params(parsed, _max_tokens(state, parsed, len(prompt), chat), tools)
 
     def gone() -> bool:
         transport = request.transport
@@ -494,7 +515,7 @@ async def _generate(
     streams = state.backend.generate_choices(request_id, prompt, params)
     tokenizer = state.backend.tokenizer
     gens = [Generation(s, tokenizer, len(prompt), parsed.stop, is_gone=gone) for s in streams]
-    shape = Shape(chat, state.model_name, parsed.logprobs)
+    shape = Shape(chat, state.model_name, parsed.logprobs, tools)
     try:
         # Together: the choices of one prompt share its prefill, so they start as one.
         await asyncio.gather(*(gen.start() for gen in gens))
@@ -542,6 +563,8 @@ async def _stream(
     sse = await SseWriter.open(request, {"X-Request-Id": _log_of(request).request_id})
     queue: asyncio.Queue[tuple[int, Piece | BaseException | None]] = asyncio.Queue()
     feeders = [asyncio.ensure_future(_pieces_of(i, gen, queue)) for i, gen in enumerate(gens)]
+    # With tools, text that may begin a call is held back; the calls go out at the end.
+    holds = [ContentHoldback() if shape.tools.active else None for _ in gens]
     try:
         for index in range(len(gens)):
             if chat_start := shape.role_chunk(include_usage, index):
@@ -553,11 +576,17 @@ async def _stream(
                 raise item
             if item is None:
                 running -= 1
+                reason = gens[index].finish_reason
+                if holds[index] is not None:
+                    calls, reason = shape.calls_chunk(gens[index], include_usage, index)
+                    if calls is not None:
+                        await sse.event(calls)
                 finish = Piece("")
-                await sse.event(
-                    shape.chunk(finish, gens[index].finish_reason, include_usage, index)
-                )
+                await sse.event(shape.chunk(finish, reason, include_usage, index))
                 continue
+            hold = holds[index]
+            if hold is not None:
+                item = Piece(hold.feed(item.text), item.tokens)
             await sse.event(shape.chunk(item, None, include_usage, index))
         if include_usage:
             await sse.event(shape.usage_chunk(gens))

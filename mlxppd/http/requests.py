@@ -10,6 +10,7 @@ errors into OpenAI-shaped 400s naming the field.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -17,12 +18,15 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
 
 from mlxppd.core.protocol.control import MAX_SEED, MAX_SEQUENCE_TOKENS
+from mlxppd.core.protocol.sampling import MAX_SCHEMA_BYTES
+from mlxppd.http.tools import MAX_TOOLS, ToolCallIn, ToolChoice, ToolDef
 
 #: most messages in one chat request (a long agent transcript has a few hundred)
 MAX_MESSAGES = 2048
@@ -89,6 +93,41 @@ def _content_text(value: Any) -> Any:
     return "".join(texts)
 
 
+def _optional_content_text(value: Any) -> Any:
+    return None if value is None else _content_text(value)
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True, populate_by_name=True)
+
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")] = "response"
+    description: str | None = Field(None, max_length=4096)
+    schema_: dict[str, Any] = Field(alias="schema", description="the JSON schema to follow")
+    strict: bool | None = None
+
+    @field_validator("schema_")
+    @classmethod
+    def _bounded(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if len(json.dumps(value)) > MAX_SCHEMA_BYTES:
+            raise PydanticCustomError(
+                "invalid_value", "a schema is at most {most} bytes", {"most": MAX_SCHEMA_BYTES}
+            )
+        return value
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise PydanticCustomError("missing", "json_schema is required for this type")
+        return self
+
+
 def _prompt(value: Any) -> Any:
     """A string, or one list of token ids; a batch of exactly one prompt is that prompt."""
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
@@ -149,10 +188,33 @@ class StreamOptions(ApiModel):
 class ChatMessage(ApiModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[
-        str,
-        BeforeValidator(_content_text, json_schema_input_type=str | list[dict[str, Any]]),
-    ] = Field(description="text, or a list of {type: text, text} parts")
+        str | None,
+        BeforeValidator(
+            _optional_content_text, json_schema_input_type=str | list[dict[str, Any]] | None
+        ),
+    ] = Field(
+        None, validate_default=True, description="text, or a list of {type: text, text} parts"
+    )
     name: Name | None = None
+    tool_calls: list[ToolCallIn] | None = Field(None, max_length=MAX_TOOLS)
+    tool_call_id: Annotated[str, Field(max_length=128)] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content_given(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None and info.data.get("role") != "assistant":
+            raise PydanticCustomError("missing", "is required")
+        return value
+
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> ChatMessage:
+        if self.content is None and not self.tool_calls:
+            raise PydanticCustomError(
+                "missing", "content is required (it may be null only beside tool_calls)"
+            )
+        if self.tool_calls and self.role != "assistant":
+            raise PydanticCustomError("invalid_value", "only assistant messages carry tool_calls")
+        return self
 
 
 class _Common(ApiModel):
@@ -183,22 +245,16 @@ class _Common(ApiModel):
     repetition_penalty: float | None = Field(
         None, gt=0, le=10, description="mlx-lm's multiplicative penalty over the last 20 tokens"
     )
-    tools: list[dict[str, Any]] | None = Field(None, max_length=128)
     functions: list[dict[str, Any]] | None = Field(None, max_length=128)
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = Field(
+        None, description="text, json_object, or json_schema: the output follows the schema"
+    )
 
-    @field_validator("tools", "functions")
+    @field_validator("functions")
     @classmethod
     def _empty_only(cls, value: Any) -> Any:
         if value:
-            raise unsupported("this field")
-        return value
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None and value.get("type") != "text":
-            raise unsupported("a response format other than text")
+            raise unsupported("'functions' (use 'tools')")
         return value
 
 
@@ -209,6 +265,11 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_SEQUENCE_TOKENS)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = Field(
+        None, description="none, auto (the default with tools), required, or a named function"
+    )
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> ChatCompletionRequest:

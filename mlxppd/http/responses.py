@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mlxppd.http.completion import Generation, Piece, TokenInfo
+from mlxppd.http.tools import ToolPlan
 
 
 def _bytes(text: str) -> list[int]:
@@ -21,10 +22,14 @@ def _bytes(text: str) -> list[int]:
 class Shape:
     """OpenAI's response and chunk objects for one request."""
 
-    def __init__(self, chat: bool, model: str, logprobs: bool) -> None:
+    def __init__(
+        self, chat: bool, model: str, logprobs: bool, tools: ToolPlan | None = None
+    ) -> None:
         self.chat = chat
         self.model = model
         self.logprobs = logprobs
+        #: the request's tools: a chat choice's text splits into content and tool calls
+        self.tools = tools or ToolPlan()
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
 
@@ -83,12 +88,20 @@ class Shape:
         choices = []
         for index, (gen, tokens) in enumerate(results):
             choice: dict[str, Any] = {"index": index}
+            finish = gen.finish_reason
             if self.chat:
-                choice["message"] = {"role": "assistant", "content": gen.text, "refusal": None}
+                message: dict[str, Any] = {"role": "assistant", "content": gen.text}
+                if self.tools.active:
+                    content, calls = self.tools.finish(gen.text)
+                    message["content"] = content
+                    if calls:
+                        message["tool_calls"] = [c.as_dict() for c in calls]
+                        finish = "tool_calls"
+                choice["message"] = {**message, "refusal": None}
             else:
                 choice["text"] = gen.text
             choice["logprobs"] = self._logprobs(tokens)
-            choice["finish_reason"] = gen.finish_reason
+            choice["finish_reason"] = finish
             choices.append(choice)
         usage = self._usage([gen for gen, _ in results])
         return {**self._head(False), "choices": choices, "usage": usage}
@@ -111,6 +124,19 @@ class Shape:
         choice["logprobs"] = self._logprobs(piece.tokens) if piece.tokens else None
         choice["finish_reason"] = finish
         return self._chunk_of(choice, include_usage)
+
+    def calls_chunk(
+        self, gen: Generation, include_usage: bool, index: int = 0
+    ) -> tuple[dict[str, Any] | None, str]:
+        """Streaming with tools, at a choice's end: the chunk carrying its tool calls (None
+        when it made none) and its finish reason."""
+        _, calls = self.tools.finish(gen.text)
+        if not calls:
+            return None, gen.finish_reason
+        deltas = [{"index": i, **call.as_dict()} for i, call in enumerate(calls)]
+        choice = {"index": index, "delta": {"tool_calls": deltas}, "logprobs": None,
+                  "finish_reason": None}  # fmt: skip
+        return self._chunk_of(choice, include_usage), "tool_calls"
 
     def _chunk_of(self, choice: dict[str, Any], include_usage: bool) -> dict[str, Any]:
         chunk = {**self._head(True), "choices": [choice]}

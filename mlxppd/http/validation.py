@@ -8,14 +8,23 @@ generated before this passes.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import orjson
 from pydantic import ValidationError
 
+from mlxppd.core.protocol.sampling import GrammarSpec
 from mlxppd.http.errors import ApiError, invalid
-from mlxppd.http.requests import ApiModel, ChatCompletionRequest, CompletionRequest
+from mlxppd.http.requests import (
+    ApiModel,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    ResponseFormat,
+)
+from mlxppd.http.tools import ToolChoice, ToolDef
 
 #: OpenAI's documented default for the legacy completions endpoint
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -44,8 +53,14 @@ class ParsedRequest:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
-    #: chat: the messages (role, content as text); completions: None
-    messages: tuple[dict[str, str], ...] | None = None
+    #: the output constrained to JSON (response_format json_object / json_schema)
+    grammar: GrammarSpec | None = None
+    #: chat: the tools the model may call, and how (None: auto when there are tools)
+    tools: tuple[ToolDef, ...] = ()
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    #: chat: the messages (role, content as text, tool calls); completions: None
+    messages: tuple[dict[str, Any], ...] | None = None
     #: completions: the prompt as text or as token ids; chat: None
     prompt: str | list[int] | None = None
 
@@ -125,8 +140,30 @@ def _parsed(
         presence_penalty=request.presence_penalty,
         frequency_penalty=request.frequency_penalty,
         logit_bias=request.logit_bias,
+        grammar=_grammar(request.response_format),
         **rest,
     )
+
+
+def _grammar(response_format: ResponseFormat | None) -> GrammarSpec | None:
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object" or response_format.json_schema is None:
+        return GrammarSpec(kind="json_object")
+    spec = response_format.json_schema
+    return GrammarSpec(
+        kind="json_schema", schema_text=json.dumps(spec.schema_), strict=spec.strict is not False
+    )
+
+
+def _message(m: ChatMessage) -> dict[str, Any]:
+    """A message as the chat template (and ``tools.template_messages``) takes it."""
+    out: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+    if m.tool_calls:
+        out["tool_calls"] = [c.model_dump(mode="json") for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    return out
 
 
 def parse_chat(body: dict[str, Any]) -> ParsedRequest:
@@ -136,7 +173,10 @@ def parse_chat(body: dict[str, Any]) -> ParsedRequest:
         request.max_completion_tokens or request.max_tokens,
         logprobs=request.logprobs,
         top_logprobs=request.top_logprobs or 0,
-        messages=tuple({"role": m.role, "content": m.content} for m in request.messages),
+        tools=tuple(request.tools or ()),
+        tool_choice=request.tool_choice,
+        parallel_tool_calls=request.parallel_tool_calls,
+        messages=tuple(_message(m) for m in request.messages),
     )
 
 

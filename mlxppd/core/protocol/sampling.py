@@ -6,7 +6,7 @@ metadata). The sampler runs on the last stage; only token ids travel back.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, TypeAdapter
 
@@ -16,11 +16,23 @@ from mlxppd.core.strict import StrictModel
 PENALTY_CONTEXT = 20
 MAX_LOGIT_BIAS = 1024
 MAX_TOP_LOGPROBS = 20
-#: bytes of a SamplerSpec payload (1024 biases take about 30 KiB)
-MAX_SPEC_BYTES = 64 * 1024
+#: bytes of a JSON schema a request may constrain its output to
+MAX_SCHEMA_BYTES = 64 * 1024
+#: bytes of a SamplerSpec payload (1024 biases take about 30 KiB, a schema at most 64 KiB)
+MAX_SPEC_BYTES = 160 * 1024
 
 TokenId = Annotated[int, Field(ge=0, lt=1 << 32)]
 Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
+
+
+class GrammarSpec(StrictModel):
+    """Output constrained to JSON (``engine/grammar.py`` on the last stage)."""
+
+    kind: Literal["json_object", "json_schema"]
+    schema_text: str | None = Field(
+        None, max_length=MAX_SCHEMA_BYTES, description="json_schema: the schema, as JSON text"
+    )
+    strict: bool = True
 
 
 class SamplerSpec(StrictModel):
@@ -45,6 +57,7 @@ class SamplerSpec(StrictModel):
         max_length=PENALTY_CONTEXT,
         description="the prompt's last tokens, which the penalties count as mlx-lm's do",
     )
+    grammar: GrammarSpec | None = Field(None, description="constrain the output to JSON")
 
     @property
     def penalizes(self) -> bool:

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from mlxppd.core.errors import MlxppError, PermanentError, TemporaryError
 from mlxppd.core.kv_admission import AdmissionDiagnostic
-from mlxppd.core.protocol.sampling import PENALTY_CONTEXT, SamplerSpec
+from mlxppd.core.protocol.sampling import PENALTY_CONTEXT, GrammarSpec, SamplerSpec
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,8 @@ class SamplingParams:
     """(token id, value added to its logit)"""
     top_logprobs: int = 0
     """the most likely tokens to report with each sampled one (0: none)"""
+    grammar: GrammarSpec | None = None
+    """constrain the output to JSON (a schema, or any object)"""
 
     def sampler_spec(self, prompt: Sequence[int]) -> SamplerSpec | None:
         """What the last stage needs beyond temperature, top_p and the seed; None: nothing."""
@@ -52,6 +54,7 @@ class SamplingParams:
             frequency_penalty=self.frequency_penalty,
             logit_bias=list(self.logit_bias),
             top_logprobs=self.top_logprobs,
+            grammar=self.grammar,
         )
         if spec == SamplerSpec():
             return None

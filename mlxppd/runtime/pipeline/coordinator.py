@@ -406,6 +406,10 @@ class Coordinator(StageOps, LinkReader, PromptSender):
                         await self._send_input(seq, step, [item.token], True, params.logprobs)
                 # The last token: nothing more runs, so the caches hold prompt + all but it.
                 final = eos or produced + 1 == params.max_tokens
+                if final and self._batcher is not None:
+                    # Out of its micro-batch now, not when the caller closes this iterator:
+                    # a caller may stop reading at EOS, and the group waits for every member.
+                    self._batcher.leave(seq)
                 yield item
                 if eos:
                     return

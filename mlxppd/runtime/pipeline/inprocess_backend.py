@@ -25,7 +25,7 @@ from mlxppd.engine.cpu_weights import resolve_for_process
 from mlxppd.engine.families.base import text_config
 from mlxppd.engine.kv_sizing import kv_bytes_per_token
 from mlxppd.engine.pipeline import InProcessPipeline, StepOutput
-from mlxppd.engine.sampling import SequenceSampler, make_sampler
+from mlxppd.engine.sampling import SequenceSampler, constraint_for, make_sampler
 from mlxppd.engine.stage import load_stage
 from mlxppd.engine.tokenizer import load_tokenizer
 from mlxppd.runtime.pipeline.backend import (
@@ -120,10 +120,12 @@ class InProcessBackend:
                 params.temperature, params.top_p, params.seed,
                 top_k=params.top_k, min_p=params.min_p,
             )  # fmt: skip
-            sampler = SequenceSampler(draw, spec, pipeline.vocab_size())
+            vocab = pipeline.vocab_size()
+            constraint = constraint_for(params.grammar, self.tokenizer, vocab or 0)
+            sampler = SequenceSampler(draw, spec, vocab, constraint)
         except Exception as exc:
             raise RequestRefused(f"the sampler refused these parameters: {exc}") from None
-        if sampler.processors or sampler.top_logprobs:
+        if sampler.processors or sampler.top_logprobs or sampler.constraint:
             return pipeline.generate_with(
                 prompt, params.max_tokens, sampler, with_logprobs=params.logprobs
             )

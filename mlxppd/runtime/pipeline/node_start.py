@@ -9,6 +9,7 @@ stage or a coordinator is put together.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from mlxppd.core.protocol.control import StageExtras
 from mlxppd.core.stages import StageSpec
 from mlxppd.engine.prepared_copy import ModelReceiver
 from mlxppd.engine.stage_runner import StageRunner
+from mlxppd.engine.tokenizer import load_tokenizer
 from mlxppd.runtime.observability.metrics import PipelineMetrics
 from mlxppd.runtime.pipeline.coordinator import Coordinator
 from mlxppd.runtime.pipeline.failover import FailoverSettings, survivors_replan
@@ -95,6 +97,7 @@ async def start_stage_worker(
     worker = StageWorker(
         spec, runner, kv, transport, mlx, extras=extras, prepare_layers=prepare,
         receiver=setup.receiver, missing_model=setup.missing_model,
+        tokenizer=functools.partial(load_tokenizer, setup.model_dir),
     )  # fmt: skip
     address = await worker.start(setup.host, setup.port)
     if setup.missing_model is not None:

@@ -41,7 +41,7 @@ from mlxppd.core.stage_accounting import ActivityClock, LatencyHistogram
 from mlxppd.core.stages import StageSpec
 from mlxppd.core.strict import StrictModel
 from mlxppd.engine.blas import blas_in_use
-from mlxppd.engine.sampling import SequenceSampler, make_sampler
+from mlxppd.engine.sampling import SequenceSampler, constraint_for, make_sampler
 from mlxppd.engine.stage_runner import StageRunner
 from mlxppd.runtime.observability.trace import TraceBuffer
 from mlxppd.runtime.pipeline.stage_work import PrepareLayers, ReleaseAllWork, StageStats, Work
@@ -85,6 +85,8 @@ class StageControl:
     _prepare_layers: PrepareLayers | None
     _staged: tuple[StageSpec, StageRunner, StageKvManager] | None
     _extras: Any
+    _load_tokenizer: Any
+    _tokenizer: Any
 
     def _release_accounting(self) -> None:
         for held in list(self.kv.reserved):
@@ -144,6 +146,13 @@ class StageControl:
             return AdmitReply(rid=command.rid, ok=True)
         return AdmitReply(rid=command.rid, ok=False, diagnostic=AdmitRefusal.of(problem))
 
+    def _grammar_tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            if self._load_tokenizer is None:
+                raise ValueError("this stage has no tokenizer to constrain output with")
+            self._tokenizer = self._load_tokenizer()
+        return self._tokenizer
+
     def _closed_reason(self, command: Admit) -> AdmissionDiagnostic | None:
         if self.spec.is_standby:
             return self.kv.refusal(RejectReason.PLAN_MISMATCH)
@@ -165,10 +174,14 @@ class StageControl:
                 top_k=spec.top_k if spec else 0, min_p=spec.min_p if spec else 0.0,
             )  # fmt: skip
             vocab = None
-            if spec is not None and spec.logit_bias:  # a bias must name a token of the model
+            if spec is not None and (spec.logit_bias or spec.grammar):
                 size = self._layers().stage.config.get("vocab_size")
                 vocab = size if isinstance(size, int) else None
-            sampler = SequenceSampler(draw, spec, vocab)
+            constraint = None
+            # The grammar compiles once, at the commit (a schema it refuses refuses there).
+            if spec is not None and spec.grammar is not None and command.commit:
+                constraint = constraint_for(spec.grammar, self._grammar_tokenizer(), vocab or 0)
+            sampler = SequenceSampler(draw, spec, vocab, constraint)
         except Exception as exc:
             log.warning("stage %d: refusing %s: %s", self.spec.index, escape(command.seq), exc)
             return self.kv.refusal(RejectReason.INVALID_REQUEST)

@@ -13,6 +13,7 @@ import functools
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -96,6 +97,7 @@ class StageWorker(StageControl, StageModel):
         prepare_layers: PrepareLayers | None = None,
         receiver: ModelReceiver | None = None,
         missing_model: str | None = None,
+        tokenizer: Callable[[], Any] | None = None,
     ) -> None:
         self.spec = spec
         self.runner = runner
@@ -121,6 +123,9 @@ class StageWorker(StageControl, StageModel):
         # serves nothing yet when its model files are missing.
         self.receiver = receiver
         self.missing_model = missing_model
+        # The last stage compiles output grammars against the tokenizer: loaded on first use.
+        self._load_tokenizer = tokenizer
+        self._tokenizer: Any = None
         self._staged: tuple[StageSpec, StageRunner, StageKvManager] | None = None
         self._side_tasks = TaskSet()
         self.elastic_state = "idle"

@@ -1,0 +1,20 @@
+"""The coordinator's whole HTTP API as one application: the OpenAI API and the admin API
+(``http/openai_api.py``), the Anthropic Messages API (``http/anthropic_api.py``) on the same
+backend, state and limits. ``mlxppd serve`` and the agent's coordinator both build it here."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from mlxppd.http.anthropic_api import add_anthropic_routes
+from mlxppd.http.openai_api import create_app
+from mlxppd.runtime.pipeline.backend import GenerationBackend
+
+
+def api_app(backend: GenerationBackend, **options: Any) -> web.Application:
+    """``create_app(backend, **options)`` with every API this server speaks."""
+    app = create_app(backend, **options)
+    add_anthropic_routes(app)
+    return app

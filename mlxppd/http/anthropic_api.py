@@ -1,0 +1,710 @@
+"""The Anthropic Messages API, ``POST /v1/messages``, over the OpenAI API's backend.
+
+``add_anthropic_routes(app)`` adds it to an app built by ``create_app``: the same backend, model
+name, api key, limits and request log (the app's ``STATE``). A conversation becomes one prompt
+through the model's chat template, rendered as /v1/chat/completions renders it, and runs through
+the same ``Generation``: at temperature 0 a message and a chat completion of one conversation
+say the same thing. Errors take Anthropic's shape, ``{"type": "error", "error": {"type",
+"message"}}``, and a stream sends Anthropic's named events (``event: message_start`` ...).
+
+The request bodies are strict and bounded like those of ``requests.py``; a 400 names the field.
+Tools work as in the chat API (``http/anthropic_tools.py`` maps them onto ``http/tools.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Annotated, Any, Literal
+
+import orjson
+from aiohttp import web
+from pydantic import BeforeValidator, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from mlxppd.core.protocol.control import MAX_SEQUENCE_TOKENS
+from mlxppd.http.anthropic_tools import chat_messages, reply_blocks, tool_plan
+from mlxppd.http.chat_prompt import chat_prompt
+from mlxppd.http.completion import ClientGone, Generation
+from mlxppd.http.errors import ApiError, from_backend_error, invalid
+from mlxppd.http.openai_api import (
+    STATE,
+    _check_model,
+    _choice_params,
+    _log_of,
+    _max_tokens,
+    _off_loop,
+    _read_json,
+    _State,
+    _tokenizer,
+)
+from mlxppd.http.requests import (
+    MAX_CONTENT_PARTS,
+    MAX_MESSAGES,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    ApiModel,
+    Name,
+    unsupported,
+)
+from mlxppd.http.sse import SseWriter
+from mlxppd.http.tools import ContentHoldback, ToolPlan
+from mlxppd.http.validation import ParsedRequest, validate
+from mlxppd.runtime.pipeline.backend import (
+    AdmissionRejected,
+    BackendUnavailable,
+    SamplingParams,
+    TokenEvent,
+)
+
+log = logging.getLogger("mlxppd.http")
+
+MESSAGES_PATH = "/v1/messages"
+COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
+#: most tools in one request
+MAX_TOOLS = 128
+#: longest tool description, in characters
+MAX_DESCRIPTION_CHARS = 8192
+#: bytes of JSON one tool's input schema may take
+MAX_SCHEMA_BYTES = 64 * 1024
+#: text blocks of one turn, and consecutive turns of one role, are joined with a blank line
+BLOCK_SEPARATOR = "\n\n"
+#: the status Anthropic answers "overloaded" with, where the OpenAI API answers 503
+OVERLOADED_STATUS = 529
+#: prompt tokens a prefill's continuation is detokenized after (the seam's context)
+CONTINUATION_CONTEXT_TOKENS = 8
+#: longest chat-template complaint passed on to the client, in characters
+_MAX_TEMPLATE_ERROR_CHARS = 500
+#: block types Anthropic defines and this server does not take: refused by name
+_UNSUPPORTED_BLOCKS = frozenset(
+    {
+        "image",
+        "document",
+        "thinking",
+        "redacted_thinking",
+        "search_result",
+        "server_tool_use",
+        "web_search_tool_result",
+        "container_upload",
+    }
+)
+
+
+# --- request bodies ---
+
+
+def _as_blocks(value: Any) -> Any:
+    """A message's content as blocks: a string is one text block."""
+    if isinstance(value, str):
+        return [{"type": "text", "text": value}]
+    if isinstance(value, list) and len(value) > MAX_CONTENT_PARTS:
+        # Checked before the blocks, so 100,000 tiny blocks cost one check.
+        raise PydanticCustomError(
+            "invalid_value", "takes at most {most} blocks", {"most": MAX_CONTENT_PARTS}
+        )
+    return value
+
+
+def _joined_text(value: Any) -> Any:
+    """``system`` or a tool result's ``content`` as one string: a string, or text blocks
+    joined with a blank line; null is empty."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise PydanticCustomError("invalid_type", "must be a string or a list of text blocks")
+    if len(value) > MAX_CONTENT_PARTS:
+        raise PydanticCustomError(
+            "invalid_value", "takes at most {most} blocks", {"most": MAX_CONTENT_PARTS}
+        )
+    texts = []
+    for block in value:
+        if not isinstance(block, dict) or block.get("type") != "text":
+            raise unsupported("a block other than text")
+        text = block.get("text")
+        if not isinstance(text, str):
+            raise PydanticCustomError("invalid_type", "a text block needs a string 'text'")
+        texts.append(text)
+    return BLOCK_SEPARATOR.join(texts)
+
+
+def _stop_sequences(value: Any) -> Any:
+    """``stop_sequences`` as a tuple; empty strings never match, so they are dropped."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise PydanticCustomError("invalid_type", "must be a list of strings")
+    if len(value) > MAX_STOP_STRINGS:
+        raise PydanticCustomError(
+            "invalid_value",
+            "takes at most {most} strings, got {got}",
+            {"most": MAX_STOP_STRINGS, "got": len(value)},
+        )
+    if any(len(s) > MAX_STOP_CHARS for s in value):
+        raise PydanticCustomError(
+            "invalid_value",
+            "a stop sequence is at most {most} characters",
+            {"most": MAX_STOP_CHARS},
+        )
+    return tuple(s for s in value if s)
+
+
+JoinedText = Annotated[
+    str, BeforeValidator(_joined_text, json_schema_input_type=str | list[dict[str, Any]] | None)
+]
+StopSequences = Annotated[
+    tuple[str, ...], BeforeValidator(_stop_sequences, json_schema_input_type=list[str] | None)
+]
+#: the fields each block type needs
+_NEEDS: dict[str, tuple[str, ...]] = {
+    "text": ("text",),
+    "tool_use": ("id", "name", "input"),
+    "tool_result": ("tool_use_id",),
+}
+
+
+class ContentBlock(ApiModel):
+    """One block of a message: text, a tool call (assistant) or a tool's result (user)."""
+
+    type: Literal["text", "tool_use", "tool_result"]
+    #: text
+    text: str | None = None
+    #: tool_use: the call's id, the tool's name, its arguments
+    id: Name | None = None
+    name: Name | None = None
+    input: dict[str, Any] | None = None
+    #: tool_result: the call answered, the tool's output as text, whether it failed
+    tool_use_id: Name | None = None
+    content: JoinedText = ""
+    is_error: bool = False
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _known(cls, value: Any) -> Any:
+        if isinstance(value, str) and value in _UNSUPPORTED_BLOCKS:
+            raise unsupported(f"a block of type '{value}'")
+        return value
+
+    @model_validator(mode="after")
+    def _complete(self) -> ContentBlock:
+        for name in _NEEDS[self.type]:
+            if getattr(self, name) is None:
+                raise PydanticCustomError(
+                    "invalid_value",
+                    "a {kind} block needs '{field}'",
+                    {"kind": self.type, "field": name},
+                )
+        return self
+
+
+class MessageParam(ApiModel):
+    role: Literal["user", "assistant"]
+    content: Annotated[
+        list[ContentBlock],
+        BeforeValidator(_as_blocks, json_schema_input_type=str | list[ContentBlock]),
+    ] = Field(description="a string, or up to 256 blocks")
+
+
+class ToolDefinition(ApiModel):
+    """A tool the client runs: its name, what it does, its input's JSON schema."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = Field(None, max_length=MAX_DESCRIPTION_CHARS)
+    input_schema: dict[str, Any]
+    type: Literal["custom"] | None = None
+
+    @field_validator("input_schema")
+    @classmethod
+    def _bounded(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if len(orjson.dumps(value)) > MAX_SCHEMA_BYTES:
+            raise PydanticCustomError(
+                "invalid_value", "a schema is at most {most} bytes", {"most": MAX_SCHEMA_BYTES}
+            )
+        return value
+
+
+class ToolChoice(ApiModel):
+    type: Literal["auto", "any", "tool", "none"]
+    name: Name | None = None
+    disable_parallel_tool_use: bool = False
+
+    @model_validator(mode="after")
+    def _named(self) -> ToolChoice:
+        if self.type == "tool" and not self.name:
+            raise PydanticCustomError("invalid_value", "type 'tool' needs the tool's 'name'")
+        return self
+
+
+class ThinkingConfig(ApiModel):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = Field(None, ge=1, le=MAX_SEQUENCE_TOKENS)
+
+    @field_validator("type")
+    @classmethod
+    def _off_only(cls, value: str) -> str:
+        if value != "disabled":
+            raise unsupported("extended thinking")
+        return value
+
+
+class OutputConfig(ApiModel):
+    #: how hard the model should think: a hint this server accepts and ignores
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    format: dict[str, Any] | None = None
+
+    @field_validator("format")
+    @classmethod
+    def _free_text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None:
+            raise unsupported("a structured output format")
+        return value
+
+
+class _Conversation(ApiModel):
+    """The prompt's parts, which /v1/messages and /v1/messages/count_tokens share."""
+
+    model: Name
+    messages: list[MessageParam] = Field(min_length=1, max_length=MAX_MESSAGES)
+    system: JoinedText = Field("", description="a string, or text blocks")
+    tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
+    thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _bounded(cls, value: Any) -> Any:
+        # Checked before the items: 100,000 tiny messages must not cost 100,000 validations.
+        if isinstance(value, list) and len(value) > MAX_MESSAGES:
+            raise PydanticCustomError(
+                "invalid_value",
+                "takes at most {most} messages, got {got}",
+                {"most": MAX_MESSAGES, "got": len(value)},
+            )
+        return value
+
+
+class MessagesRequest(_Conversation):
+    """POST /v1/messages."""
+
+    max_tokens: int = Field(ge=1, le=MAX_SEQUENCE_TOKENS)
+    stop_sequences: StopSequences = ()
+    temperature: float = Field(1.0, ge=0, le=1, description="0: greedy")
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0, le=1 << 24, description="keep the k most likely tokens (0: all)")
+    stream: bool = False
+    metadata: dict[str, Any] | None = Field(None, description="accepted and ignored")
+
+
+class CountTokensRequest(_Conversation):
+    """POST /v1/messages/count_tokens."""
+
+
+def _unsupported_field(message: str, param: str) -> ApiError:
+    return ApiError(400, f"{param}: {message}", param=param, code="unsupported")
+
+
+def _tools(body: _Conversation) -> ToolPlan:
+    """The request's tools as the chat API runs them (``http/anthropic_tools.py``)."""
+    try:
+        return tool_plan(body.tools, body.tool_choice)
+    except ValueError as exc:
+        raise invalid(str(exc), "tool_choice", "invalid_value") from None
+
+
+# --- the prompt ---
+
+
+def _turns(body: _Conversation) -> tuple[list[dict[str, Any]], bool]:
+    """The chat template's messages (the system prompt first) and whether the last one, the
+    assistant's, is to be continued rather than answered (Anthropic's prefill)."""
+    turns: list[dict[str, Any]] = []
+    if body.system:
+        turns.append({"role": "system", "content": body.system})
+    for message in body.messages:
+        for turn in chat_messages(message.role, message.content, BLOCK_SEPARATOR):
+            last = turns[-1] if turns else None
+            plain = not (turn.get("tool_calls") or turn["role"] == "tool")
+            if last is not None and last["role"] == turn["role"] and plain and len(last) == 2:
+                # Consecutive turns of one role are one turn.
+                joined = (t for t in (last["content"], turn["content"]) if t)
+                turns[-1] = {"role": turn["role"], "content": BLOCK_SEPARATOR.join(joined)}
+            else:
+                turns.append(turn)
+    continued = body.messages[-1].role == "assistant"
+    if continued:
+        final = turns[-1]["content"]
+        if not final:  # an empty prefill: answer the turn before
+            turns.pop()
+            continued = False
+        elif final != final.rstrip():
+            raise invalid(
+                "the final assistant content cannot end with whitespace",
+                f"messages[{len(body.messages) - 1}].content",
+                "invalid_value",
+            )
+    return turns, continued
+
+
+async def _prompt(state: _State, body: _Conversation, plan: ToolPlan) -> tuple[list[int], bool]:
+    """The prompt's tokens, and whether they end in a prefill the reply continues."""
+    tokenizer = _tokenizer(state)
+    if not (getattr(tokenizer, "has_chat_template", None) or tokenizer.chat_template):
+        raise invalid("this model has no chat template, which the Messages API needs", "messages")
+    messages, continued = _turns(body)
+    if continued and plan.active:
+        raise invalid("a prefill cannot be combined with tools", "messages", "invalid_value")
+
+    def render() -> list[int]:
+        if not continued:  # rendered as /v1/chat/completions renders a conversation
+            return chat_prompt(tokenizer, messages, plan)
+        options = {"continue_final_message": True}
+        return [int(t) for t in tokenizer.apply_chat_template(messages, **options)]
+
+    try:
+        return await _off_loop(state, render), continued
+    except Exception as exc:  # the template rejects the conversation (e.g. roles out of order)
+        reason = str(exc)[:_MAX_TEMPLATE_ERROR_CHARS]
+        raise invalid(f"the chat template rejected the messages: {reason}", "messages") from None
+
+
+def _sampling(
+    state: _State, body: MessagesRequest, n_prompt: int, plan: ToolPlan
+) -> SamplingParams:
+    """The request's sampling parameters, max_tokens checked against the context as for chat."""
+    parsed = ParsedRequest(
+        model=body.model,
+        max_tokens=body.max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        seed=None,
+        stop=body.stop_sequences,
+        stream=body.stream,
+        include_usage=False,
+        logprobs=False,
+        top_k=body.top_k,
+    )
+    max_tokens = _max_tokens(state, parsed, n_prompt, chat=True)
+    return _choice_params(parsed, max_tokens, plan)[0]
+
+
+# --- responses ---
+
+
+class _ContinuedText:
+    """A streaming detokenizer for text that continues the prompt's last tokens (a prefill).
+
+    A detokenizer on its own drops the leading space of its first token, which is right for a
+    new turn but loses the space between a prefill and its continuation. This one reads the
+    continuation after the prompt's last tokens and hands out only what follows their text, so
+    the seam is spaced as in the whole text."""
+
+    def __init__(self, tokenizer: Any, context: Sequence[int]) -> None:
+        probe = tokenizer.detokenizer  # a fresh copy per access
+        for token in context:
+            probe.add_token(token)
+        probe.finalize()
+        self._cut = len(probe.text)
+        self._inner = tokenizer.detokenizer
+        for token in context:
+            self._inner.add_token(token)
+
+    def add_token(self, token: int) -> None:
+        self._inner.add_token(token)
+
+    def finalize(self) -> None:
+        self._inner.finalize()
+
+    @property
+    def text(self) -> str:
+        text: str = self._inner.text
+        return text[self._cut :]
+
+
+class _MessageGeneration(Generation):
+    """A ``Generation`` that also tells why it ended as Anthropic does (the stop sequence it
+    matched, apart from the model's own end of turn) and can continue a prefill."""
+
+    def __init__(
+        self,
+        events: AsyncIterator[TokenEvent],
+        tokenizer: Any,
+        prompt: Sequence[int],
+        stop: Sequence[str],
+        is_gone: Callable[[], bool],
+        continued: bool,
+    ) -> None:
+        super().__init__(events, tokenizer, len(prompt), stop, is_gone)
+        if continued:
+            self._detok = _ContinuedText(tokenizer, prompt[-CONTINUATION_CONTEXT_TOKENS:])
+
+    @property
+    def stop_sequence(self) -> str | None:
+        start = self._stop.hit
+        if start is None:
+            return None
+        text = self._detok.text  # the text as generated, the stop sequence still in it
+        found = [s for s in self._stop.stops if text.startswith(s, start)]
+        return min(found, key=len) if found else self._stop.stops[0]
+
+    @property
+    def stop_reason(self) -> str:
+        if self._stop.hit is not None:
+            return "stop_sequence"
+        return "max_tokens" if self.finish_reason == "length" else "end_turn"
+
+
+class _Message:
+    """Anthropic's message object and stream events for one request."""
+
+    def __init__(self, model: str, tools: ToolPlan) -> None:
+        self.id = "msg_" + uuid.uuid4().hex[:24]
+        self.model = model
+        self.tools = tools
+
+    def _object(
+        self, content: list[dict[str, Any]], gen: _MessageGeneration | None
+    ) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": content,
+            "stop_reason": gen.stop_reason if gen else None,
+            "stop_sequence": gen.stop_sequence if gen else None,
+        }
+
+    def blocks(self, gen: _MessageGeneration) -> tuple[list[dict[str, Any]], bool]:
+        """The reply's content blocks, and whether it calls tools."""
+        if not self.tools.active:
+            return [{"type": "text", "text": gen.text}], False
+        content, calls = self.tools.finish(gen.text)
+        return reply_blocks(content, calls), bool(calls)
+
+    def complete(self, gen: _MessageGeneration) -> dict[str, Any]:
+        blocks, calls = self.blocks(gen)
+        body = self._object(blocks, gen)
+        if calls:
+            body.update(stop_reason="tool_use", stop_sequence=None)
+        usage = {"input_tokens": gen.prompt_tokens, "output_tokens": gen.completion_tokens}
+        return {**body, "usage": usage}
+
+    def start(self, gen: _MessageGeneration) -> dict[str, Any]:
+        usage = {"input_tokens": gen.prompt_tokens, "output_tokens": 0}
+        return {"type": "message_start", "message": {**self._object([], None), "usage": usage}}
+
+    @staticmethod
+    def text_delta(text: str) -> dict[str, Any]:
+        delta = {"type": "text_delta", "text": text}
+        return {"type": "content_block_delta", "index": 0, "delta": delta}
+
+    @staticmethod
+    def end(gen: _MessageGeneration, calls: bool = False) -> dict[str, Any]:
+        reason, sequence = ("tool_use", None) if calls else (gen.stop_reason, gen.stop_sequence)
+        return {
+            "type": "message_delta",
+            "delta": {"stop_reason": reason, "stop_sequence": sequence},
+            "usage": {"output_tokens": gen.completion_tokens},
+        }
+
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    OVERLOADED_STATUS: "overloaded_error",
+}
+
+
+def anthropic_error(
+    status: int, message: str, request_id: str | None = None, param: str | None = None
+) -> tuple[int, dict[str, Any]]:
+    """An error as Anthropic sends it: (status, body); a 503 is Anthropic's 529 overloaded.
+
+    Anthropic's error has no ``param``: the message starts with the field at fault instead."""
+    if param and not message.startswith(f"{param}:"):
+        message = f"{param}: {message}"
+    if status == 503:
+        status = OVERLOADED_STATUS
+    kind = _ERROR_TYPES.get(status) or ("api_error" if status >= 500 else "invalid_request_error")
+    body: dict[str, Any] = {"type": "error", "error": {"type": kind, "message": message}}
+    if request_id:
+        body["request_id"] = request_id
+    return status, body
+
+
+class _EventWriter(SseWriter):
+    """Server-sent events with names, as Anthropic streams: ``event: <type>`` then the data."""
+
+    @classmethod
+    async def start(cls, request: web.Request, headers: dict[str, str]) -> _EventWriter:
+        return cls((await cls.open(request, headers)).response)
+
+    async def send(self, payload: dict[str, Any]) -> None:
+        head = f"event: {payload['type']}\ndata: ".encode()
+        await self._write(head + orjson.dumps(payload) + b"\n\n")
+
+
+# --- handlers ---
+
+
+def _gone(request: web.Request) -> Callable[[], bool]:
+    def gone() -> bool:
+        transport = request.transport
+        return transport is None or transport.is_closing()
+
+    return gone
+
+
+async def _messages(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    body = validate(MessagesRequest, await _read_json(request))
+    _check_model(state, body.model)
+    plan = _tools(body)
+    prompt, continued = await _prompt(state, body, plan)
+    params = _sampling(state, body, len(prompt), plan)
+    request_id = _log_of(request).request_id
+    events = state.backend.generate(request_id, prompt, params)
+    tokenizer = state.backend.tokenizer
+    gen = _MessageGeneration(
+        events, tokenizer, prompt, body.stop_sequences, _gone(request), continued
+    )
+    message = _Message(state.model_name, plan)
+    try:
+        await gen.start()  # admission: a refusal is a plain error response, even when streaming
+        if body.stream:
+            return await _stream(request, gen, message)
+        pieces = gen.pieces()
+        try:
+            async for _ in pieces:
+                pass
+        finally:
+            await pieces.aclose()
+        return web.json_response(message.complete(gen), headers={"request-id": request_id})
+    finally:
+        await gen.close()
+        _log_of(request).tokens = (len(prompt), gen.completion_tokens)
+
+
+async def _stream(
+    request: web.Request, gen: _MessageGeneration, message: _Message
+) -> web.StreamResponse:
+    request_id = _log_of(request).request_id
+    sse = await _EventWriter.start(request, {"X-Request-Id": request_id, "request-id": request_id})
+    try:
+        await sse.send(message.start(gen))
+        block = {"type": "text", "text": ""}
+        await sse.send({"type": "content_block_start", "index": 0, "content_block": block})
+        await sse.send({"type": "ping"})
+        # With tools, text that may begin a call is held back; the calls go out at the end.
+        hold = ContentHoldback() if message.tools.active else None
+        pieces = gen.pieces()
+        try:
+            async for piece in pieces:
+                text = hold.feed(piece.text) if hold is not None else piece.text
+                if text:
+                    await sse.send(message.text_delta(text))
+        finally:
+            await pieces.aclose()
+        await sse.send({"type": "content_block_stop", "index": 0})
+        blocks, calls = message.blocks(gen)
+        for index, tool_use in enumerate((b for b in blocks if b["type"] == "tool_use"), 1):
+            start = {**tool_use, "input": {}}
+            await sse.send({"type": "content_block_start", "index": index, "content_block": start})
+            delta = {"type": "input_json_delta", "partial_json": json.dumps(tool_use["input"])}
+            await sse.send({"type": "content_block_delta", "index": index, "delta": delta})
+            await sse.send({"type": "content_block_stop", "index": index})
+        await sse.send(message.end(gen, calls))
+        await sse.send({"type": "message_stop"})
+        await sse.close()
+    except ClientGone:
+        _log_of(request).note = "client closed the stream"
+    except Exception as exc:
+        # The headers are gone already: the error is the stream's last event.
+        error = from_backend_error(exc)
+        if error.status >= 500 and not isinstance(exc, AdmissionRejected | BackendUnavailable):
+            log.exception("%s stream failed", request_id)
+        _log_of(request).note = f"stream ended by error: {error.message}"
+        try:
+            _, body = anthropic_error(error.status, error.message, request_id, error.param)
+            await sse.send(body)
+            await sse.close()
+        except ClientGone:
+            pass
+    return sse.response
+
+
+async def _count_tokens(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = validate(CountTokensRequest, await _read_json(request))
+    _check_model(state, body.model)
+    plan = _tools(body)
+    prompt, _ = await _prompt(state, body, plan)
+    request_id = _log_of(request).request_id
+    return web.json_response({"input_tokens": len(prompt)}, headers={"request-id": request_id})
+
+
+def _is_anthropic_path(path: str) -> bool:
+    return path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/")
+
+
+def _openai_error(response: web.StreamResponse) -> tuple[str, str | None] | None:
+    """The message and param of an OpenAI-shaped error response; None for another response."""
+    body = getattr(response, "body", None)
+    if not isinstance(body, bytes):
+        return None
+    try:
+        error = orjson.loads(body)["error"]
+        message, param = error["message"], error.get("param")
+    except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
+        return None
+    if not isinstance(message, str):
+        return None
+    return message, param if isinstance(param, str) else None
+
+
+@web.middleware
+async def _anthropic_errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Error responses under /v1/messages in Anthropic's shape.
+
+    The app's own middleware, inside this one, turns every failure (auth, the in-flight cap,
+    validation, the backend's errors, a bug) into an OpenAI-shaped error response with its
+    status, headers and log line; this rewrites that response's body, so both APIs share one
+    account of what failed."""
+    response = await handler(request)
+    if response.status < 400 or response.prepared or not _is_anthropic_path(request.path):
+        return response
+    error = _openai_error(response)
+    if error is None:
+        return response
+    message, param = error
+    request_id = response.headers.get("X-Request-Id")
+    status, body = anthropic_error(response.status, message, request_id, param)
+    headers = {
+        name: value
+        for name, value in response.headers.items()
+        if name.lower() not in ("content-type", "content-length")
+    }
+    if request_id:
+        headers["request-id"] = request_id
+    return web.json_response(body, status=status, headers=headers)
+
+
+def add_anthropic_routes(app: web.Application) -> None:
+    """Serve the Anthropic Messages API on ``app``, an app from ``create_app`` not yet started:
+    ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``, under its api key, limits
+    and request log, with errors there in Anthropic's shape."""
+    if STATE not in app:
+        raise ValueError("add_anthropic_routes needs an app built by create_app")
+    app.middlewares.insert(0, _anthropic_errors)
+    app.router.add_post(MESSAGES_PATH, _messages)
+    app.router.add_post(COUNT_TOKENS_PATH, _count_tokens)

@@ -1,0 +1,47 @@
+"""A chat request's prompt: the model's chat template over the messages, with the tools.
+
+A template that renders ``tools`` itself gets them as they are; one that ignores them (it
+renders the same text with and without) gets them described in a system message
+(``tools.template_messages``). A forced call (``tool_choice`` required or named) ends the
+prompt with the call's opening marker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from mlxppd.http.tools import TOOL_CALL_START, ToolDef, ToolPlan, template_messages
+
+_PROBE = [{"role": "user", "content": "x"}]
+#: per tokenizer object: whether its template renders ``tools`` (asked once)
+_NATIVE: dict[int, bool] = {}
+
+
+def renders_tools(tokenizer: Any, tools: Sequence[ToolDef]) -> bool:
+    key = id(tokenizer)
+    if key not in _NATIVE:
+        listing = [t.model_dump(mode="json") for t in tools]
+        try:
+            bare = tokenizer.apply_chat_template(_PROBE, tokenize=False)
+            with_tools = tokenizer.apply_chat_template(_PROBE, tools=listing, tokenize=False)
+            _NATIVE[key] = bare != with_tools
+        except Exception:  # a template that fails on the tools argument does not render them
+            _NATIVE[key] = False
+    return _NATIVE[key]
+
+
+def chat_prompt(tokenizer: Any, messages: Sequence[dict[str, Any]], plan: ToolPlan) -> list[int]:
+    """The prompt's token ids (the template may raise on a conversation it refuses)."""
+    native = plan.active and renders_tools(tokenizer, plan.tools)
+    conversation = template_messages(messages, plan.tools, native)
+    extra: dict[str, Any] = {}
+    if native:
+        extra["tools"] = [t.model_dump(mode="json") for t in plan.tools]
+    ids = [
+        int(t)
+        for t in tokenizer.apply_chat_template(conversation, add_generation_prompt=True, **extra)
+    ]
+    if plan.forced:
+        ids += [int(t) for t in tokenizer.encode(TOOL_CALL_START + "\n", add_special_tokens=False)]
+    return ids
