@@ -30,6 +30,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 from prompts import CHAT_PROMPT
@@ -61,7 +62,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def stream_chat(base: str, model: str, question: str, max_tokens: int) -> StreamResult:
+def stream_chat(
+    base: str, model: str, question: str, max_tokens: int, **extra: Any
+) -> StreamResult:
     body = {
         "model": model,
         "messages": [{"role": "user", "content": question}],
@@ -69,6 +72,7 @@ def stream_chat(base: str, model: str, question: str, max_tokens: int) -> Stream
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **extra,
     }
     start = time.perf_counter()
     first = last = 0.0
@@ -163,6 +167,23 @@ class ServerRun:
     ttft_long: StreamResult
     single: StreamResult
     aggregate: float
+    #: the same kind of answer, free and constrained by a JSON schema (the cluster only)
+    free_json: StreamResult | None = None
+    schema_json: StreamResult | None = None
+
+
+#: a JSON answer of a few dozen tokens, asked for freely and then held to a schema
+JSON_QUESTION = "Describe a fictional person as a JSON object with name, age, city and hobbies."
+JSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "city": {"type": "string"},
+        "hobbies": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["name", "age", "city", "hobbies"],
+}
 
 
 def measure(base: str, model: str, args: argparse.Namespace) -> ServerRun:
@@ -173,6 +194,16 @@ def measure(base: str, model: str, args: argparse.Namespace) -> ServerRun:
     single = stream_chat(base, model, QUESTIONS[0], args.max_tokens)
     aggregate = concurrent(base, model, args.streams, args.max_tokens)
     return ServerRun(ttft_long, single, aggregate)
+
+
+def measure_json(base: str, model: str, run: ServerRun, max_tokens: int) -> ServerRun:
+    """Decode speed with and without a json_schema constraint (the grammar's overhead)."""
+    schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": JSON_SCHEMA}}
+    free = stream_chat(base, model, JSON_QUESTION, max_tokens, temperature=1.0, seed=3)
+    held = stream_chat(
+        base, model, JSON_QUESTION, max_tokens, temperature=1.0, seed=3, response_format=schema
+    )
+    return ServerRun(run.ttft_long, run.single, run.aggregate, free, held)
 
 
 def run_cluster(model_dir: Path, args: argparse.Namespace, env: dict[str, str]) -> ServerRun:
@@ -192,7 +223,7 @@ def run_cluster(model_dir: Path, args: argparse.Namespace, env: dict[str, str]) 
             time.sleep(0.1)
         base = ready.read_text().strip()
         model = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
-        return measure(base, model, args)
+        return measure_json(base, model, measure(base, model, args), args.max_tokens)
     finally:
         stop(cluster)
 
@@ -279,6 +310,16 @@ def main(argv: list[str] | None = None) -> int:
             f"{ours.aggregate / theirs.aggregate:.2f}x",
         ),
     ]
+    if ours.free_json is not None and ours.schema_json is not None:
+        free, held = ours.free_json.decode_tps, ours.schema_json.decode_tps
+        rows.append(
+            (
+                "JSON answer: decode tokens/s, json_schema vs free (same cluster)",
+                f"{free:.2f} (mlxpp, free)",
+                f"{held:.2f}",
+                f"{held / free:.2f}x" if free else "n/a",
+            )
+        )
     flags = " ".join(
         f"{flag} {value}"
         for flag, value in (
