@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
 
 from mlxppd.core.config.cluster import ClusterConfig, parse_cluster_config
 from mlxppd.core.layer_ranges import LayerRange
@@ -13,6 +21,7 @@ from mlxppd.core.partition.launch import (
 )
 from mlxppd.core.partition.plan import PartitionPlan, balance_layers, plan_layers
 from mlxppd.core.profile.model import profile_from_config
+from mlxppd.wire.secret import write_new_secret
 from tests.test_partition import synthetic
 
 
@@ -105,3 +114,51 @@ def test_a_cluster_plan_without_ranges_is_the_balancers() -> None:
     assert plan.auto and len(plan.stages) == 3
     (warning,) = launch_warnings(plan, _cluster().cluster.transport_backend)
     assert warning.startswith("3 stages over TCP")
+
+
+# -- where the operator sees them: a live 3-stage cluster of a non-llama family ---------------
+
+
+@pytest.mark.slow
+def test_three_stages_of_mixtral_warn_in_the_log_the_status_and_the_dry_run(
+    tmp_path: Path, cli_env: dict[str, str], tiny_model: Any, embedded_model_dir: Path
+) -> None:
+    from tests.cluster_support import start_cluster
+    from tests.family_cases import CASES
+
+    model = tmp_path / "mixtral"
+    shutil.copytree(tiny_model("warn-mixtral", CASES["mixtral"][0]), model)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(embedded_model_dir / name, model / name)  # the coordinator tokenizes
+    secret = tmp_path / "cluster.secret"
+    write_new_secret(secret)
+    expected = ("3 stages over TCP", "model family 'mixtral' is outside the best-tested set")
+    running = start_cluster(
+        tmp_path, cli_env, "--pp-size", "3", "--model", str(model), "--no-warmup",
+        "--cluster-secret-file", str(secret),
+    )  # fmt: skip
+    try:
+        log = running.log()
+        for warning in expected:
+            assert f"WARNING partition warning: {warning}" in log, log[-3000:]
+        status = subprocess.run(
+            [sys.executable, "-m", "mlxppd.cli.mlxppctl_main", "status", "--json",
+             "--url", running.url, "--cluster-secret-file", str(secret)],
+            capture_output=True, text=True, env=cli_env, timeout=120,
+        )  # fmt: skip
+        warnings = json.loads(status.stdout)["coordinator"]["warnings"]
+        for warning in expected:
+            assert any(w.startswith(warning) for w in warnings), warnings
+    finally:
+        assert running.stop() == 0, running.log()[-3000:]
+    peers = ",".join(f"127.0.0.1:{port}" for port in (41001, 41002, 41003))
+    dry = subprocess.run(
+        [sys.executable, "-m", "mlxppd.cli.mlxppd_main", "serve", "--pp-auto", "3", "--dry-run",
+         "--model", str(model), "--cluster-peers", peers, "--cluster-secret-file", str(secret),
+         "--cluster-control-addr", "127.0.0.1:41000", "--cluster-config-out",
+         str(tmp_path / "planned.toml")],
+        capture_output=True, text=True, env=cli_env, timeout=120,
+    )  # fmt: skip
+    assert dry.returncode == 0, dry.stderr
+    for warning in expected:
+        assert f"partition warning: {warning}" in dry.stdout, dry.stdout
