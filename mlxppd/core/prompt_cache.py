@@ -48,7 +48,8 @@ class PromptIndex:
     def match(self, prompt: Sequence[int]) -> Reuse | None:
         """The entry sharing the longest prefix with ``prompt`` (marked used), or None."""
         best: Reuse | None = None
-        for entry, tokens in self._entries.items():
+        # Most recently used first: of equal prefixes, the one still warmest wins.
+        for entry, tokens in reversed(self._entries.items()):
             # The last prompt token always runs: its logits give the first sampled token.
             shared = min(common_prefix(tokens, prompt), len(prompt) - 1)
             if shared >= self.min_reuse and (best is None or shared > best.tokens):

@@ -260,6 +260,10 @@ class StageWorker(StageControl, StageModel):
         elif isinstance(command, Release):
             await self._work.put(ReleaseWork(command.seq, command.keep, command.keep_tokens))
         elif isinstance(command, Forget):
+            # The budget frees at once (an admission may follow on this channel right away);
+            # the caches go in order on the compute loop.
+            for entry in command.entries:
+                self.kv.unpin(entry)
             await self._work.put(ForgetWork(tuple(command.entries)))
         elif isinstance(command, Status):
             await send_reply(channel, self.status(command.rid))
@@ -306,7 +310,6 @@ class StageWorker(StageControl, StageModel):
                     await self._release_here(item.seq)
             elif isinstance(item, ForgetWork):
                 for entry in item.entries:
-                    self.kv.unpin(entry)
                     if self.runner is not None:
                         await self.mlx.run(functools.partial(self.runner.forget, entry))
             elif isinstance(item, ReleaseAllWork):
