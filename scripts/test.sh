@@ -44,6 +44,7 @@ echo "== ruff" >&2;          $V/ruff check . && $V/ruff format --check .
 echo "== mypy" >&2;          $V/mypy
 echo "== import layers" >&2; $V/lint-imports
 echo "== schemas" >&2;       $V/python scripts/gen_schemas.py --check
+echo "== openapi" >&2;       $V/python scripts/gen_openapi.py --check
 echo "== pytest" >&2
 set +e
 # Two workers, one test file each at a time (--dist loadfile: a file's module fixtures, its

@@ -31,3 +31,17 @@ def test_greedy_stays_greedy_and_a_bad_seed_is_refused() -> None:
     assert make_sampler(0.0, 1.0, seed=5) is greedy
     with pytest.raises(ValueError, match="unsigned 64-bit"):
         make_sampler(0.5, 1.0, seed=-1)
+
+
+def test_a_top_k_beyond_the_vocabulary_keeps_every_token_and_breaks_nothing() -> None:
+    import mlx.core as mx
+
+    from mlxppd.engine.sampling import make_sampler
+
+    logprobs = mx.log(mx.softmax(mx.arange(16, dtype=mx.float32)[None] / 4, axis=-1))
+    wide = make_sampler(1.0, top_k=1 << 20, seed=5)(logprobs)
+    assert wide.item() == make_sampler(1.0, seed=5)(logprobs).item()  # top-k off: same draw
+    # mlx's random state still works afterwards (mlx-lm's own top-k raising would break it).
+    assert make_sampler(1.0)(logprobs).size == 1
+    tiny = make_sampler(1.0, top_p=5e-324, seed=5)(logprobs)  # a top-p that rounds to 0
+    assert tiny.item() == 15  # keeps the most likely token

@@ -26,6 +26,8 @@ from mlxppd.core.protocol.sampling import PENALTY_CONTEXT, GrammarSpec, SamplerS
 from mlxppd.engine.grammar import Constraint, GrammarCompiler
 
 Sampler = Callable[[mx.array], mx.array]
+#: the smallest top-p applied (what float32 still tells apart from 0)
+_MIN_TOP_P = 1e-6
 #: how many tokens of history the processors are given (their window, with room)
 _HISTORY = 4 * PENALTY_CONTEXT
 
@@ -61,15 +63,19 @@ class KeyedSampler:
         self.position = first_draw
         self.methods: list[Callable[[mx.array], mx.array]] = []
         if 0 < top_p < 1:
-            self.methods.append(partial(apply_top_p, top_p=top_p))
+            # A top-p that rounds to 0 in float32 would keep no token at all: keep the best one.
+            self.methods.append(partial(apply_top_p, top_p=max(top_p, _MIN_TOP_P)))
         if min_p != 0.0:
             self.methods.append(partial(apply_min_p, min_p=min_p))
-        if top_k > 0:
-            self.methods.append(partial(apply_top_k, top_k=top_k))
+        self.top_k = top_k
 
     def __call__(self, logprobs: mx.array) -> mx.array:
         for method in self.methods:
             logprobs = method(logprobs)
+        # A top-k of the vocabulary or more keeps every token: mlx-lm's would raise inside a
+        # compiled function, which leaves mlx's random state broken for every later draw.
+        if 0 < self.top_k < logprobs.shape[-1]:
+            logprobs = apply_top_k(logprobs, self.top_k)
         key = draw_key(self.seed, self.position) if self.seed is not None else None
         self.position += 1
         return mx.random.categorical(logprobs * (1 / self.temperature), key=key)

@@ -604,7 +604,7 @@ async def _stream(
         await sse.send({"type": "content_block_start", "index": 0, "content_block": block})
         await sse.send({"type": "ping"})
         # With tools, text that may begin a call is held back; the calls go out at the end.
-        hold = ContentHoldback() if message.tools.active else None
+        hold = ContentHoldback(bool(message.tools.forced)) if message.tools.active else None
         pieces = gen.pieces()
         try:
             async for piece in pieces:

@@ -102,6 +102,10 @@ def _prefix_function(pattern: str) -> list[int]:
     return out
 
 
+def _finite(value: float) -> float:
+    return value if math.isfinite(value) else MIN_LOGPROB
+
+
 def safe_logprob(value: float | None) -> float | None:
     if value is None:
         return None
@@ -140,7 +144,7 @@ class Generation:
         if event.top is None:
             return None
         decode = self._tokenizer.decode
-        return tuple((decode([t]), safe_logprob(lp) or MIN_LOGPROB) for t, lp in event.top)
+        return tuple((decode([t]), _finite(lp)) for t, lp in event.top)
 
     async def start(self) -> None:
         """Wait for the first token: admission happens there, before any response byte is sent."""

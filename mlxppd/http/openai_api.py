@@ -33,6 +33,7 @@ from mlxppd.http.errors import (
     from_backend_error,
     invalid,
 )
+from mlxppd.http.openapi import add_openapi_route
 from mlxppd.http.responses import Shape
 from mlxppd.http.sse import SseWriter
 from mlxppd.http.tools import ContentHoldback, ToolPlan, plan_tools
@@ -165,6 +166,7 @@ def create_app(
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/v1/models/{model:.+}", _model)
     app.router.add_get("/health", _health)
+    add_openapi_route(app)  # the document of these routes, built from their models
     if metrics is not None:
         app.router.add_get("/metrics", metrics_handler(metrics))
     if admin is not None:
@@ -405,7 +407,7 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
     try:
         plan = plan_tools(parsed.tools, parsed.tool_choice)
     except ValueError as exc:
-        raise invalid(str(exc), "tool_choice") from None
+        raise invalid(str(exc), "tool_choice", "invalid_value") from None
     if plan.forced and parsed.grammar is not None:
         raise invalid("a forced tool call and a response_format cannot both hold", "tool_choice")
     try:
@@ -436,7 +438,7 @@ def _max_tokens(state: _State, parsed: ParsedRequest, n_prompt: int, chat: bool)
     """The request's max_tokens after checking prompt and completion against the context."""
     param = "messages" if chat else "prompt"
     if n_prompt == 0:
-        raise invalid("the prompt is empty", param)
+        raise invalid("the prompt is empty", param, "invalid_value")
     context = state.context()
     if context is None:
         if n_prompt > FALLBACK_MAX_PROMPT_TOKENS:
@@ -564,7 +566,8 @@ async def _stream(
     queue: asyncio.Queue[tuple[int, Piece | BaseException | None]] = asyncio.Queue()
     feeders = [asyncio.ensure_future(_pieces_of(i, gen, queue)) for i, gen in enumerate(gens)]
     # With tools, text that may begin a call is held back; the calls go out at the end.
-    holds = [ContentHoldback() if shape.tools.active else None for _ in gens]
+    forced = bool(shape.tools.forced)
+    holds = [ContentHoldback(forced) if shape.tools.active else None for _ in gens]
     try:
         for index in range(len(gens)):
             if chat_start := shape.role_chunk(include_usage, index):

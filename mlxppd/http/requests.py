@@ -271,12 +271,6 @@ class ChatCompletionRequest(_Common):
     )
     parallel_tool_calls: bool = True
 
-    @model_validator(mode="after")
-    def _top_needs_logprobs(self) -> ChatCompletionRequest:
-        if self.top_logprobs and not self.logprobs:
-            raise PydanticCustomError("invalid_value", "top_logprobs needs logprobs set to true")
-        return self
-
     @field_validator("messages", mode="before")
     @classmethod
     def _bounded(cls, value: Any) -> Any:

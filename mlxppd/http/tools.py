@@ -255,10 +255,11 @@ class ContentHoldback:
     """Streaming with tools: text goes out until a call may be starting; from the first
     ``<tool_call>`` on, nothing more is content (the calls go out at the end)."""
 
-    def __init__(self) -> None:
+    def __init__(self, forced: bool = False) -> None:
+        """``forced``: the whole output is the call (its marker ended the prompt)."""
         self.text = ""
         self.sent = 0
-        self.calling = False
+        self.calling = forced
 
     def feed(self, piece: str) -> str:
         """What of ``piece`` can be sent as content now."""

@@ -168,6 +168,8 @@ def _message(m: ChatMessage) -> dict[str, Any]:
 
 def parse_chat(body: dict[str, Any]) -> ParsedRequest:
     request = validate(ChatCompletionRequest, body)
+    if request.top_logprobs and not request.logprobs:
+        raise invalid("top_logprobs needs logprobs set to true", "top_logprobs", "invalid_value")
     return _parsed(
         request,
         request.max_completion_tokens or request.max_tokens,
