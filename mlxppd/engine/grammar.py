@@ -10,8 +10,9 @@ A :class:`Constraint` is one sequence's matcher. For each token the matcher writ
 set as a bitmask (one bit per token id, 32 ids per int32 word) into the constraint's own numpy
 buffer; :meth:`Constraint.apply` unpacks it into one boolean row and selects ``-inf`` where a
 bit is clear: one O(V) pass on the logits whether few or many tokens are disallowed, a fraction
-of the log-softmax that follows it, and none at all when every token is allowed. The mask is computed once per state and reused by
-:meth:`Constraint.advance` to check the sampled token without asking the matcher again.
+of the log-softmax that follows it, and none at all when every token is allowed. The mask is
+computed once per state, eagerly at the end of :meth:`Constraint.advance` (while the matcher's
+tables are still in cache), and the next advance checks the sampled token against it.
 
 The logits may be wider than the tokenizer's vocabulary (an embedding padded to a multiple of
 64): the tokenizer is given the logits width, so the padding ids have no bytes and are never
@@ -84,6 +85,10 @@ class Constraint:
             return
         if not self._matcher.consume_token(token):
             raise ValueError(f"the grammar refused token {token}: {self._matcher.get_error()}")
+        # The next mask now, while the matcher's tables are still in cache: by the next
+        # apply() the model's forward pass has streamed its weights through every cache
+        # level, and the same mask then costs several times more (docs/structured-output.md).
+        self._allowed_row()
 
     def is_finished(self) -> bool:
         """A complete value has been produced: only EOS may follow."""
@@ -134,9 +139,7 @@ class GrammarCompiler:
         if not eos:
             raise ValueError("structured output needs a tokenizer with an EOS token")
         try:
-            self._tokenizer = llguidance.LLTokenizer(
-                backend.to_str(), n_vocab=vocab_size, eos_token=list(eos)
-            )
+            self._tokenizer = _ll_tokenizer(backend.to_str(), vocab_size, eos)
         except Exception as e:  # llguidance raises plain ValueError/RuntimeError from Rust
             raise ValueError(f"llguidance cannot use this tokenizer: {e}") from e
         # Per-token work limits (llguidance's defaults, named here): past them the matcher
@@ -178,6 +181,16 @@ class GrammarCompiler:
         if matcher.is_error():
             raise ValueError(f"unsupported or invalid schema: {_one_line(matcher.get_error())}")
         return Constraint(matcher, self.eos, self.vocab_size)
+
+
+def _ll_tokenizer(tokenizer_json: str, vocab_size: int, eos: tuple[int, ...]) -> Any:
+    """llguidance's tokenizer, every EOS id allowed wherever the value may end. llguidance 1.6
+    takes a single EOS id: there only the first can end a value that could go on (a number),
+    and once a value is complete every EOS id is allowed as everywhere else."""
+    try:
+        return llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos))
+    except TypeError:
+        return llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos[0])
 
 
 def _checked_text(schema: dict[str, Any]) -> str:
