@@ -261,6 +261,8 @@ def write_settings(cluster: Cluster, host: int, memory_budget_bytes: int | None 
     (cluster.config_dir(host) / "mlxppd.toml").write_text(
         f'http_host = "0.0.0.0"\nhttp_port = {HTTP_PORT}\nreconcile_interval_s = 1.0\n'
         f'drain_timeout_s = 30.0\nstate_dir = "{cluster.root / f"host{host}"}"\n{budget}'
+        # No kept prompt prefixes: these tests check that a failover leaves no KV behind.
+        "prompt_cache_entries = 0\n"
     )
 
 

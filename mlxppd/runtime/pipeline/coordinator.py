@@ -333,9 +333,10 @@ class Coordinator(StageOps, LinkReader, PromptSender):
         reuse = self.prompts.match(prompt) if self.prompts is not None and not share else None
         for attempt in itertools.count():
             try:
+                # A replay runs on a new chain, which holds none of the old chain's entries.
                 async for item in self._generate(
                     f"{seq}~{attempt}" if attempt else seq, [*prompt, *produced], params,
-                    len(produced), None if attempt else share, reuse,
+                    len(produced), None if attempt else share, None if attempt else reuse,
                 ):  # fmt: skip
                     produced.append(item.token)
                     yield item
