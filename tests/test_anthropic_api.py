@@ -15,7 +15,8 @@ import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from mlxppd.http.anthropic_api import MessageParam, MessagesRequest, add_anthropic_routes
+from mlxppd.http.anthropic_api import add_anthropic_routes
+from mlxppd.http.anthropic_models import MessageParam, MessagesRequest
 from mlxppd.http.openai_api import create_app
 from tests.adversarial.bad_requests import one_bad_field, one_bad_message
 from tests.http_support import LiveServer, request

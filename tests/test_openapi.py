@@ -1,7 +1,7 @@
 """The OpenAPI document: checked in and current, a valid OpenAPI 3.1 document, served at
-/openapi.json, and true of a live server: real responses validate against the response models
-and the document, and schemathesis's generated requests get no 5xx and only documented
-responses."""
+/openapi.json, and true of a live server (the OpenAI API and the Anthropic Messages API): real
+responses validate against the response models and the document, and schemathesis's generated
+requests get no 5xx and only documented responses."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 from aiohttp import web
@@ -19,6 +19,8 @@ from jsonschema import Draft202012Validator
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel
 
+from mlxppd.app.api_app import api_app
+from mlxppd.http import anthropic_models as claude
 from mlxppd.http.api_models import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -29,8 +31,7 @@ from mlxppd.http.api_models import (
     TextCompletion,
     TextCompletionChunk,
 )
-from mlxppd.http.openai_api import create_app
-from mlxppd.http.openapi import OPENAPI_PATH, add_openapi_route, openapi_document, openapi_text
+from mlxppd.http.openapi import OPENAPI_PATH, openapi_document, openapi_text
 from mlxppd.runtime.observability.metrics import PipelineMetrics
 from tests.http_support import LiveServer, post, request, stream
 
@@ -38,6 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CHECKED_IN = ROOT / "docs" / "openapi.json"
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+MESSAGES_PATH = claude.MESSAGES_PATH
+COUNT_TOKENS = claude.COUNT_TOKENS_PATH
 MODEL = "smollm2-135m"  # LiveServer's model id
 KEY = "sesame"
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
@@ -51,12 +54,8 @@ DOC = openapi_document()
 
 
 def app_of(backend: Any, **options: Any) -> web.Application:
-    """``create_app(backend, **options)`` serving the document (which create_app may do)."""
-    app = create_app(backend, **options)
-    served = {r.resource.canonical for r in app.router.routes() if r.resource is not None}
-    if OPENAPI_PATH not in served:
-        add_openapi_route(app)
-    return app
+    """The coordinator's whole API, as ``mlxppd serve`` builds it: the document's subject."""
+    return api_app(backend, **options)
 
 
 def conforms(model: type[BaseModel], body: Any) -> None:
@@ -118,6 +117,13 @@ def test_request_and_response_schemas_are_components() -> None:
         "ModelList",
         "Health",
         "ErrorResponse",
+        "MessagesRequest",
+        "CountTokensRequest",
+        "Message",
+        "MessageTokensCount",
+        "MessageStartEvent",
+        "ContentBlockDeltaEvent",
+        "AnthropicError",
     ):
         assert name in schemas, name
     refs = set(json.dumps(DOC).split('"$ref": "')[1:])
@@ -128,21 +134,26 @@ def test_request_and_response_schemas_are_components() -> None:
 
 
 def test_security_is_bearer_on_v1_only() -> None:
+    """The key guards /v1/* and /metrics; the Messages API also takes it as x-api-key."""
     for path, item in DOC["paths"].items():
         for operation in item.values():
             keyed = path.startswith("/v1/") or path == "/metrics"
-            assert (operation["security"] == [{"bearerAuth": []}]) == keyed, path
+            bearer: dict[str, list[str]] = {"bearerAuth": []}
+            if path.startswith(MESSAGES_PATH):
+                assert operation["security"] == [bearer, {"apiKeyHeader": []}], path
+            else:
+                assert (operation["security"] == [bearer]) == keyed, path
     assert DOC["paths"][OPENAPI_PATH]["get"]["security"] == []
 
 
 def test_extra_paths_are_added_and_never_replace() -> None:
-    class Message(BaseModel):
+    class Extra(BaseModel):
         text: str
 
     item = {"post": {"responses": {"200": {"description": "ok"}}}}
-    doc = openapi_document({"/v1/messages": item}, [(Message, "serialization")])
-    assert doc["paths"]["/v1/messages"] == item
-    assert "Message" in doc["components"]["schemas"]
+    doc = openapi_document({"/v1/extra": item}, [(Extra, "serialization")])
+    assert doc["paths"]["/v1/extra"] == item
+    assert "Extra" in doc["components"]["schemas"]
     with pytest.raises(ValueError, match="already"):
         openapi_document({CHAT: item})
 
@@ -316,6 +327,88 @@ def test_tool_call_response_conforms(live: tuple[LiveServer, str]) -> None:
     assert choice["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
 
 
+# --- the Anthropic Messages API on the same server ---
+
+TOOL = {
+    "name": "get_weather",
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+    },
+}
+ASK = {"model": MODEL, "messages": MESSAGES, "max_tokens": 6, "temperature": 0}
+
+
+def conforms_event(event: dict[str, Any]) -> None:
+    """A stream event is the model its ``type`` names, and valid under the document."""
+    kinds = {get_args(m.model_fields["type"].annotation)[0]: m for m in claude.STREAM_EVENTS}
+    conforms(kinds[event["type"]], event)
+
+
+@pytest.mark.slow
+def test_a_message_and_a_tool_use_conform(live: tuple[LiveServer, str]) -> None:
+    server, _ = live
+    roomy = server.serve(app_of(server.backend, max_context_tokens=512))  # tools: ~140 tokens
+    status, body = post(roomy, MESSAGES_PATH, {**ASK, "stop_sequences": ["zzz"]})
+    assert status == 200, body
+    conforms(claude.Message, body)
+    assert body["content"][0]["type"] == "text" and body["stop_reason"] in (
+        "end_turn",
+        "max_tokens",
+    )
+    forced = {**ASK, "max_tokens": 48, "tools": [TOOL],
+              "tool_choice": {"type": "tool", "name": "get_weather"}}  # fmt: skip
+    status, body = post(roomy, MESSAGES_PATH, forced)
+    assert status == 200, body
+    conforms(claude.Message, body)
+    assert body["stop_reason"] == "tool_use"
+    assert [b["name"] for b in body["content"] if b["type"] == "tool_use"] == ["get_weather"]
+    status, events = stream(roomy, MESSAGES_PATH, forced)
+    assert status == 200, events
+    for event in events:
+        conforms_event(event)
+    kinds = [e["type"] for e in events]
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert {"tool_use"} == {
+        e["content_block"]["type"] for e in events if e["type"] == "content_block_start"
+    } - {"text"}
+
+
+@pytest.mark.slow
+def test_a_streamed_message_and_a_token_count_conform(url: str) -> None:
+    status, events = stream(url, MESSAGES_PATH, ASK)
+    assert status == 200, events
+    for event in events:
+        conforms_event(event)
+    assert [e["type"] for e in events][:3] == ["message_start", "content_block_start", "ping"]
+    status, body = post(url, COUNT_TOKENS, {"model": MODEL, "messages": MESSAGES})
+    assert status == 200, body
+    conforms(claude.MessageTokensCount, body)
+    assert body["input_tokens"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("path", "body", "status", "field"),
+    [
+        (MESSAGES_PATH, {**ASK, "temperature": 3}, 400, "temperature"),
+        (MESSAGES_PATH, {k: v for k, v in ASK.items() if k != "max_tokens"}, 400, "max_tokens"),
+        (MESSAGES_PATH, {**ASK, "model": "claude-9"}, 404, "model"),
+        (MESSAGES_PATH, {**ASK, "max_tokens": 10**5}, 400, "max_tokens"),
+        (COUNT_TOKENS, {"model": MODEL, "messages": []}, 400, "messages"),
+    ],
+)
+def test_anthropic_errors_conform_and_name_the_field(
+    url: str, path: str, body: dict[str, Any], status: int, field: str
+) -> None:
+    got, headers, error = request(url, "POST", path, body)
+    assert got == status, error
+    conforms(claude.AnthropicError, error)
+    assert error["error"]["message"].startswith(f"{field}:"), error
+    assert headers.get("X-Request-Id") == error["request_id"]
+
+
 @pytest.mark.slow
 def test_a_cross_field_error_names_the_parameter(url: str) -> None:
     status, error = post(url, CHAT, {"messages": MESSAGES, "top_logprobs": 2})
@@ -459,7 +552,7 @@ def _fuzz(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS, MESSAGES_PATH, COUNT_TOKENS])
 @pytest.mark.parametrize("steer", [False, True], ids=["as-generated", "steered"])
 def test_schemathesis_positive(keyed_url: str, path: str, steer: bool) -> None:
     seen = _fuzz(keyed_url, path, "positive", FUZZ_EXAMPLES, steer=steer)
@@ -469,7 +562,7 @@ def test_schemathesis_positive(keyed_url: str, path: str, steer: bool) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS, MESSAGES_PATH, COUNT_TOKENS])
 def test_schemathesis_negative(keyed_url: str, path: str) -> None:
     seen = _fuzz(keyed_url, path, "negative", NEGATIVE_EXAMPLES)
     assert not any(status >= 500 for status in seen), seen

@@ -1,6 +1,7 @@
 """The coordinator's whole HTTP API as one application: the OpenAI API and the admin API
 (``http/openai_api.py``), the Anthropic Messages API (``http/anthropic_api.py``) on the same
-backend, state and limits. ``mlxppd serve`` and the agent's coordinator both build it here."""
+backend, state and limits, and the OpenAPI document of them all (``http/openapi.py``) at
+``/openapi.json``. ``mlxppd serve`` and the agent's coordinator both build it here."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from aiohttp import web
 
 from mlxppd.http.anthropic_api import add_anthropic_routes
 from mlxppd.http.openai_api import create_app
+from mlxppd.http.openapi import add_openapi_route
 from mlxppd.runtime.pipeline.backend import GenerationBackend
 
 
@@ -17,4 +19,5 @@ def api_app(backend: GenerationBackend, **options: Any) -> web.Application:
     """``create_app(backend, **options)`` with every API this server speaks."""
     app = create_app(backend, **options)
     add_anthropic_routes(app)
+    add_openapi_route(app)  # the document of these routes, built from their models
     return app

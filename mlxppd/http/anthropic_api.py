@@ -7,8 +7,8 @@ the same ``Generation``: at temperature 0 a message and a chat completion of one
 say the same thing. Errors take Anthropic's shape, ``{"type": "error", "error": {"type",
 "message"}}``, and a stream sends Anthropic's named events (``event: message_start`` ...).
 
-The request bodies are strict and bounded like those of ``requests.py``; a 400 names the field.
-Tools work as in the chat API (``http/anthropic_tools.py`` maps them onto ``http/tools.py``).
+The request and response bodies are the models of ``http/anthropic_models.py``. Tools work as
+in the chat API (``http/anthropic_tools.py`` maps them onto ``http/tools.py``).
 """
 
 from __future__ import annotations
@@ -17,14 +17,20 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import orjson
 from aiohttp import web
-from pydantic import BeforeValidator, Field, field_validator, model_validator
-from pydantic_core import PydanticCustomError
 
-from mlxppd.core.protocol.control import MAX_SEQUENCE_TOKENS
+from mlxppd.http.anthropic_models import (
+    BLOCK_SEPARATOR,
+    COUNT_TOKENS_PATH,
+    MESSAGES_PATH,
+    OVERLOADED_STATUS,
+    Conversation,
+    CountTokensRequest,
+    MessagesRequest,
+)
 from mlxppd.http.anthropic_tools import chat_messages, reply_blocks, tool_plan
 from mlxppd.http.chat_prompt import chat_prompt
 from mlxppd.http.completion import ClientGone, Generation
@@ -40,15 +46,6 @@ from mlxppd.http.openai_api import (
     _State,
     _tokenizer,
 )
-from mlxppd.http.requests import (
-    MAX_CONTENT_PARTS,
-    MAX_MESSAGES,
-    MAX_STOP_CHARS,
-    MAX_STOP_STRINGS,
-    ApiModel,
-    Name,
-    unsupported,
-)
 from mlxppd.http.sse import SseWriter
 from mlxppd.http.tools import ContentHoldback, ToolPlan
 from mlxppd.http.validation import ParsedRequest, validate
@@ -61,253 +58,17 @@ from mlxppd.runtime.pipeline.backend import (
 
 log = logging.getLogger("mlxppd.http")
 
-MESSAGES_PATH = "/v1/messages"
-COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
-#: most tools in one request
-MAX_TOOLS = 128
-#: longest tool description, in characters
-MAX_DESCRIPTION_CHARS = 8192
-#: bytes of JSON one tool's input schema may take
-MAX_SCHEMA_BYTES = 64 * 1024
-#: text blocks of one turn, and consecutive turns of one role, are joined with a blank line
-BLOCK_SEPARATOR = "\n\n"
-#: the status Anthropic answers "overloaded" with, where the OpenAI API answers 503
-OVERLOADED_STATUS = 529
 #: prompt tokens a prefill's continuation is detokenized after (the seam's context)
 CONTINUATION_CONTEXT_TOKENS = 8
 #: longest chat-template complaint passed on to the client, in characters
 _MAX_TEMPLATE_ERROR_CHARS = 500
-#: block types Anthropic defines and this server does not take: refused by name
-_UNSUPPORTED_BLOCKS = frozenset(
-    {
-        "image",
-        "document",
-        "thinking",
-        "redacted_thinking",
-        "search_result",
-        "server_tool_use",
-        "web_search_tool_result",
-        "container_upload",
-    }
-)
-
-
-# --- request bodies ---
-
-
-def _as_blocks(value: Any) -> Any:
-    """A message's content as blocks: a string is one text block."""
-    if isinstance(value, str):
-        return [{"type": "text", "text": value}]
-    if isinstance(value, list) and len(value) > MAX_CONTENT_PARTS:
-        # Checked before the blocks, so 100,000 tiny blocks cost one check.
-        raise PydanticCustomError(
-            "invalid_value", "takes at most {most} blocks", {"most": MAX_CONTENT_PARTS}
-        )
-    return value
-
-
-def _joined_text(value: Any) -> Any:
-    """``system`` or a tool result's ``content`` as one string: a string, or text blocks
-    joined with a blank line; null is empty."""
-    if value is None:
-        return ""
-    if isinstance(value, str):
-        return value
-    if not isinstance(value, list):
-        raise PydanticCustomError("invalid_type", "must be a string or a list of text blocks")
-    if len(value) > MAX_CONTENT_PARTS:
-        raise PydanticCustomError(
-            "invalid_value", "takes at most {most} blocks", {"most": MAX_CONTENT_PARTS}
-        )
-    texts = []
-    for block in value:
-        if not isinstance(block, dict) or block.get("type") != "text":
-            raise unsupported("a block other than text")
-        text = block.get("text")
-        if not isinstance(text, str):
-            raise PydanticCustomError("invalid_type", "a text block needs a string 'text'")
-        texts.append(text)
-    return BLOCK_SEPARATOR.join(texts)
-
-
-def _stop_sequences(value: Any) -> Any:
-    """``stop_sequences`` as a tuple; empty strings never match, so they are dropped."""
-    if value is None:
-        return ()
-    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-        raise PydanticCustomError("invalid_type", "must be a list of strings")
-    if len(value) > MAX_STOP_STRINGS:
-        raise PydanticCustomError(
-            "invalid_value",
-            "takes at most {most} strings, got {got}",
-            {"most": MAX_STOP_STRINGS, "got": len(value)},
-        )
-    if any(len(s) > MAX_STOP_CHARS for s in value):
-        raise PydanticCustomError(
-            "invalid_value",
-            "a stop sequence is at most {most} characters",
-            {"most": MAX_STOP_CHARS},
-        )
-    return tuple(s for s in value if s)
-
-
-JoinedText = Annotated[
-    str, BeforeValidator(_joined_text, json_schema_input_type=str | list[dict[str, Any]] | None)
-]
-StopSequences = Annotated[
-    tuple[str, ...], BeforeValidator(_stop_sequences, json_schema_input_type=list[str] | None)
-]
-#: the fields each block type needs
-_NEEDS: dict[str, tuple[str, ...]] = {
-    "text": ("text",),
-    "tool_use": ("id", "name", "input"),
-    "tool_result": ("tool_use_id",),
-}
-
-
-class ContentBlock(ApiModel):
-    """One block of a message: text, a tool call (assistant) or a tool's result (user)."""
-
-    type: Literal["text", "tool_use", "tool_result"]
-    #: text
-    text: str | None = None
-    #: tool_use: the call's id, the tool's name, its arguments
-    id: Name | None = None
-    name: Name | None = None
-    input: dict[str, Any] | None = None
-    #: tool_result: the call answered, the tool's output as text, whether it failed
-    tool_use_id: Name | None = None
-    content: JoinedText = ""
-    is_error: bool = False
-
-    @field_validator("type", mode="before")
-    @classmethod
-    def _known(cls, value: Any) -> Any:
-        if isinstance(value, str) and value in _UNSUPPORTED_BLOCKS:
-            raise unsupported(f"a block of type '{value}'")
-        return value
-
-    @model_validator(mode="after")
-    def _complete(self) -> ContentBlock:
-        for name in _NEEDS[self.type]:
-            if getattr(self, name) is None:
-                raise PydanticCustomError(
-                    "invalid_value",
-                    "a {kind} block needs '{field}'",
-                    {"kind": self.type, "field": name},
-                )
-        return self
-
-
-class MessageParam(ApiModel):
-    role: Literal["user", "assistant"]
-    content: Annotated[
-        list[ContentBlock],
-        BeforeValidator(_as_blocks, json_schema_input_type=str | list[ContentBlock]),
-    ] = Field(description="a string, or up to 256 blocks")
-
-
-class ToolDefinition(ApiModel):
-    """A tool the client runs: its name, what it does, its input's JSON schema."""
-
-    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
-    description: str | None = Field(None, max_length=MAX_DESCRIPTION_CHARS)
-    input_schema: dict[str, Any]
-    type: Literal["custom"] | None = None
-
-    @field_validator("input_schema")
-    @classmethod
-    def _bounded(cls, value: dict[str, Any]) -> dict[str, Any]:
-        if len(orjson.dumps(value)) > MAX_SCHEMA_BYTES:
-            raise PydanticCustomError(
-                "invalid_value", "a schema is at most {most} bytes", {"most": MAX_SCHEMA_BYTES}
-            )
-        return value
-
-
-class ToolChoice(ApiModel):
-    type: Literal["auto", "any", "tool", "none"]
-    name: Name | None = None
-    disable_parallel_tool_use: bool = False
-
-    @model_validator(mode="after")
-    def _named(self) -> ToolChoice:
-        if self.type == "tool" and not self.name:
-            raise PydanticCustomError("invalid_value", "type 'tool' needs the tool's 'name'")
-        return self
-
-
-class ThinkingConfig(ApiModel):
-    type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: int | None = Field(None, ge=1, le=MAX_SEQUENCE_TOKENS)
-
-    @field_validator("type")
-    @classmethod
-    def _off_only(cls, value: str) -> str:
-        if value != "disabled":
-            raise unsupported("extended thinking")
-        return value
-
-
-class OutputConfig(ApiModel):
-    #: how hard the model should think: a hint this server accepts and ignores
-    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
-    format: dict[str, Any] | None = None
-
-    @field_validator("format")
-    @classmethod
-    def _free_text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None:
-            raise unsupported("a structured output format")
-        return value
-
-
-class _Conversation(ApiModel):
-    """The prompt's parts, which /v1/messages and /v1/messages/count_tokens share."""
-
-    model: Name
-    messages: list[MessageParam] = Field(min_length=1, max_length=MAX_MESSAGES)
-    system: JoinedText = Field("", description="a string, or text blocks")
-    tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
-    tool_choice: ToolChoice | None = None
-    thinking: ThinkingConfig | None = None
-    output_config: OutputConfig | None = None
-
-    @field_validator("messages", mode="before")
-    @classmethod
-    def _bounded(cls, value: Any) -> Any:
-        # Checked before the items: 100,000 tiny messages must not cost 100,000 validations.
-        if isinstance(value, list) and len(value) > MAX_MESSAGES:
-            raise PydanticCustomError(
-                "invalid_value",
-                "takes at most {most} messages, got {got}",
-                {"most": MAX_MESSAGES, "got": len(value)},
-            )
-        return value
-
-
-class MessagesRequest(_Conversation):
-    """POST /v1/messages."""
-
-    max_tokens: int = Field(ge=1, le=MAX_SEQUENCE_TOKENS)
-    stop_sequences: StopSequences = ()
-    temperature: float = Field(1.0, ge=0, le=1, description="0: greedy")
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0, le=1 << 24, description="keep the k most likely tokens (0: all)")
-    stream: bool = False
-    metadata: dict[str, Any] | None = Field(None, description="accepted and ignored")
-
-
-class CountTokensRequest(_Conversation):
-    """POST /v1/messages/count_tokens."""
 
 
 def _unsupported_field(message: str, param: str) -> ApiError:
     return ApiError(400, f"{param}: {message}", param=param, code="unsupported")
 
 
-def _tools(body: _Conversation) -> ToolPlan:
+def _tools(body: Conversation) -> ToolPlan:
     """The request's tools as the chat API runs them (``http/anthropic_tools.py``)."""
     try:
         return tool_plan(body.tools, body.tool_choice)
@@ -318,7 +79,7 @@ def _tools(body: _Conversation) -> ToolPlan:
 # --- the prompt ---
 
 
-def _turns(body: _Conversation) -> tuple[list[dict[str, Any]], bool]:
+def _turns(body: Conversation) -> tuple[list[dict[str, Any]], bool]:
     """The chat template's messages (the system prompt first) and whether the last one, the
     assistant's, is to be continued rather than answered (Anthropic's prefill)."""
     turns: list[dict[str, Any]] = []
@@ -349,7 +110,7 @@ def _turns(body: _Conversation) -> tuple[list[dict[str, Any]], bool]:
     return turns, continued
 
 
-async def _prompt(state: _State, body: _Conversation, plan: ToolPlan) -> tuple[list[int], bool]:
+async def _prompt(state: _State, body: Conversation, plan: ToolPlan) -> tuple[list[int], bool]:
     """The prompt's tokens, and whether they end in a prefill the reply continues."""
     tokenizer = _tokenizer(state)
     if not (getattr(tokenizer, "has_chat_template", None) or tokenizer.chat_template):

@@ -26,7 +26,7 @@ def _no_default(schema: dict[str, Any]) -> None:
     schema.pop("default", None)
 
 
-def _omitted(description: str) -> Any:
+def omitted(description: str) -> Any:
     """A key that is either absent or holds a value of its type (never ``null``); its type is
     spelled ``X | Absent`` so that the schema shows ``X`` alone."""
     return Field(None, description=description, json_schema_extra=_no_default)
@@ -111,7 +111,7 @@ class ToolCallDelta(ToolCall):
 class ChatMessageOut(ResponseModel):
     role: Literal["assistant"]
     content: str | None = Field(description="null when a request with tools got only calls")
-    tool_calls: list[ToolCall] | Absent = _omitted("only when the model called tools")
+    tool_calls: list[ToolCall] | Absent = omitted("only when the model called tools")
     refusal: None = Field(description="always null")
 
 
@@ -134,9 +134,9 @@ class ChatDelta(ResponseModel):
     """What a chunk adds to its choice's message: the first chunk of each choice has
     role "assistant" and content "", the last one (with finish_reason) is empty."""
 
-    role: Literal["assistant"] | Absent = _omitted("only in each choice's first chunk")
-    content: str | Absent = _omitted("absent in the tool-call chunk and each choice's last one")
-    tool_calls: list[ToolCallDelta] | Absent = _omitted(
+    role: Literal["assistant"] | Absent = omitted("only in each choice's first chunk")
+    content: str | Absent = omitted("absent in the tool-call chunk and each choice's last one")
+    tool_calls: list[ToolCallDelta] | Absent = omitted(
         "with tools: the choice's calls, whole, in one chunk before its last"
     )
 
@@ -229,9 +229,9 @@ class Health(ResponseModel):
     model, detail and stages only for a caller with the API key (or when none is set)."""
 
     status: Literal["ok", "unavailable"]
-    model: str | Absent = _omitted("the model name clients see")
-    detail: str | Absent = _omitted('what the backend says, e.g. "recovering: ..."')
-    stages: list[dict[str, Any]] | Absent = _omitted("each stage's state (KV use, sequences)")
+    model: str | Absent = omitted("the model name clients see")
+    detail: str | Absent = omitted('what the backend says, e.g. "recovering: ..."')
+    stages: list[dict[str, Any]] | Absent = omitted("each stage's state (KV use, sequences)")
 
 
 class ErrorDetail(ResponseModel):
@@ -243,15 +243,15 @@ class ErrorDetail(ResponseModel):
     code: str | None = Field(description="e.g. invalid_value, context_length_exceeded")
     # KV admission (503 kv_admission_rejected, or 400 context_length_exceeded when it can
     # never fit): the stage's accounting at that moment.
-    stage: int | Absent = _omitted("KV admission: the stage that said no")
-    reason: str | Absent = _omitted(
+    stage: int | Absent = omitted("KV admission: the stage that said no")
+    reason: str | Absent = omitted(
         "KV admission: memory, sequence_cap, already_cached or rejected_by_stage"
     )
-    used_bytes: int | Absent = _omitted("KV admission")
-    budget_bytes: int | Absent = _omitted("KV admission")
-    available_bytes: int | Absent = _omitted("KV admission")
-    active_sequences: int | Absent = _omitted("KV admission")
-    required_bytes: int | Absent = _omitted("KV admission")
+    used_bytes: int | Absent = omitted("KV admission")
+    budget_bytes: int | Absent = omitted("KV admission")
+    available_bytes: int | Absent = omitted("KV admission")
+    active_sequences: int | Absent = omitted("KV admission")
+    required_bytes: int | Absent = omitted("KV admission")
 
 
 class ErrorResponse(ResponseModel):

@@ -33,7 +33,6 @@ from mlxppd.http.errors import (
     from_backend_error,
     invalid,
 )
-from mlxppd.http.openapi import add_openapi_route
 from mlxppd.http.responses import Shape
 from mlxppd.http.sse import SseWriter
 from mlxppd.http.tools import ContentHoldback, ToolPlan, plan_tools
@@ -166,7 +165,6 @@ def create_app(
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/v1/models/{model:.+}", _model)
     app.router.add_get("/health", _health)
-    add_openapi_route(app)  # the document of these routes, built from their models
     if metrics is not None:
         app.router.add_get("/metrics", metrics_handler(metrics))
     if admin is not None:

@@ -1,6 +1,7 @@
-"""The OpenAPI 3.1 document of the OpenAI API, built from its pydantic models.
+"""The OpenAPI 3.1 document of the coordinator's HTTP API, built from its pydantic models.
 
-The request bodies are the models of ``requests.py``, the responses those of ``api_models.py``;
+The OpenAI API's request bodies are the models of ``requests.py``, its responses those of
+``api_models.py``; the Anthropic Messages API's are in ``anthropic_models.py``.
 ``openapi_document()`` is deterministic, so the copy checked in as ``docs/openapi.json``
 (``scripts/gen_openapi.py``) is compared to it by the tests, and ``add_openapi_route`` serves the
 same document at ``GET /openapi.json``. The document holds no secret and is public: the api-key
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, get_args
 
 from aiohttp import web
 from pydantic import BaseModel
@@ -24,6 +25,7 @@ from pydantic.json_schema import (
 from pydantic_core import core_schema
 
 from mlxppd import __version__
+from mlxppd.http import anthropic_models as claude
 from mlxppd.http import api_models as out
 from mlxppd.http.requests import ChatCompletionRequest, CompletionRequest
 
@@ -40,6 +42,8 @@ OPENAPI_VERSION = "3.1.0"
 OPENAPI_PATH = "/openapi.json"
 REF_TEMPLATE = "#/components/schemas/{model}"
 BEARER = "bearerAuth"
+#: Anthropic's clients send the key as ``x-api-key``; the server takes either header anywhere
+X_API_KEY = "apiKeyHeader"
 
 #: every model the document holds, with the mode its schema is drawn in (requests are what the
 #: server accepts; responses are what it sends)
@@ -47,6 +51,9 @@ _MODELS: tuple[tuple[type[BaseModel], JsonSchemaMode], ...] = (
     (ChatCompletionRequest, "validation"),
     (CompletionRequest, "validation"),
     *((model, "serialization") for model in out.RESPONSE_MODELS),
+    (claude.MessagesRequest, "validation"),
+    (claude.CountTokensRequest, "validation"),
+    *((model, "serialization") for model in claude.RESPONSE_MODELS),
 )
 
 _ERRORS: dict[int, str] = {
@@ -355,15 +362,113 @@ def _service_paths() -> dict[str, Any]:
     }
 
 
+# --- the Anthropic Messages API ---
+
+#: its errors: the OpenAI API's statuses, but 503 is Anthropic's 529 "overloaded"
+_ANTHROPIC_ERRORS: dict[int, str] = {
+    400: _ERRORS[400],
+    401: _ERRORS[401],
+    404: _ERRORS[404],
+    408: _ERRORS[408],
+    413: _ERRORS[413],
+    500: _ERRORS[500],
+    claude.OVERLOADED_STATUS: (
+        "Overloaded (Anthropic's status for what the OpenAI API answers with 503): too many "
+        "requests in flight, no KV room on a stage, the pipeline down or not warm, or "
+        "admission held. Retry after Retry-After seconds."
+    ),
+}
+
+
+def _anthropic_error(status: int) -> dict[str, Any]:
+    headers = {"X-Request-Id": _header("X-Request-Id", required=True)}
+    if status == claude.OVERLOADED_STATUS:
+        headers["Retry-After"] = _header("Retry-After", required=True)
+    if status == 401:
+        headers["WWW-Authenticate"] = _header("WWW-Authenticate", required=True)
+    return {
+        "description": _ANTHROPIC_ERRORS[status],
+        "headers": headers,
+        "content": _json(schema_ref("AnthropicError")),
+    }
+
+
+def _named_events() -> dict[str, Any]:
+    """One server-sent event of a streamed message: ``event: <type>``, then its JSON data."""
+    names = [get_args(m.model_fields["type"].annotation)[0] for m in claude.STREAM_EVENTS]
+    payloads = [m.__name__ for m in claude.STREAM_EVENTS] + [claude.AnthropicError.__name__]
+    return {
+        "description": (
+            "One server-sent event (`event: <type>` then `data: <json>`, the same type): "
+            "message_start, content_block_start, ping, content_block_delta..., "
+            "content_block_stop, then one start/delta/stop per tool_use block, message_delta, "
+            "message_stop. A stream that fails after it started ends with an `error` event."
+        ),
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "event": {"enum": [*names, "error"]},
+            "data": {
+                "type": "string",
+                "contentMediaType": "application/json",
+                "contentSchema": {"anyOf": [schema_ref(p) for p in payloads]},
+            },
+        },
+    }
+
+
+def _anthropic_operation(
+    operation_id: str, summary: str, request: str, ok: dict[str, Any]
+) -> dict[str, Any]:
+    responses: dict[str, Any] = {"200": ok}
+    for status in sorted(_ANTHROPIC_ERRORS):
+        responses[str(status)] = _anthropic_error(status)
+    # The listener's own refusal comes before the API, in the OpenAI shape.
+    responses["503"] = _error(503, "Too many connections (answered before the API).")
+    return {
+        "operationId": operation_id,
+        "summary": summary,
+        "requestBody": {"required": True, "content": _json(schema_ref(request))},
+        "responses": responses,
+        "security": [{BEARER: []}, {X_API_KEY: []}],
+    }
+
+
+def _anthropic_paths() -> dict[str, Any]:
+    message = _ok(
+        "The message: one JSON Message, or with `stream: true` Anthropic's named server-sent "
+        "events.",
+        {**_json(schema_ref("Message")), "text/event-stream": {"schema": _named_events()}},
+    )
+    return {
+        claude.MESSAGES_PATH: {
+            "post": _anthropic_operation(
+                "createMessage",
+                "A message (Anthropic's Messages API)",
+                "MessagesRequest",
+                message,
+            )
+        },
+        claude.COUNT_TOKENS_PATH: {
+            "post": _anthropic_operation(
+                "countMessageTokens",
+                "The prompt tokens a message would use",
+                "CountTokensRequest",
+                _ok("The count.", _json(schema_ref("MessageTokensCount"))),
+            )
+        },
+    }
+
+
 def _paths() -> dict[str, Any]:
-    return {**_api_paths(), **_service_paths()}
+    return {**_api_paths(), **_anthropic_paths(), **_service_paths()}
 
 
 def openapi_document(
     extra_paths: Mapping[str, Any] | None = None,
     extra_models: Iterable[tuple[type[BaseModel], JsonSchemaMode]] = (),
 ) -> dict[str, Any]:
-    """The OpenAPI 3.1 document of the OpenAI API.
+    """The OpenAPI 3.1 document of the HTTP API (``app/api_app.py``'s routes).
 
     ``extra_paths``: more path items (e.g. ``{"/v1/messages": {"post": {...}}}``), merged into
     ``paths``; a path already there is an error. ``extra_models``: more pydantic models, with
@@ -380,11 +485,11 @@ def openapi_document(
     return {
         "openapi": OPENAPI_VERSION,
         "info": {
-            "title": "mlxpp OpenAI-compatible API",
+            "title": "mlxpp OpenAI- and Anthropic-compatible API",
             "version": __version__,
             "description": (
                 "Pipeline-parallel serving of MLX language models with OpenAI's chat and "
-                "completions endpoints. See docs/http-api.md."
+                "completions endpoints and Anthropic's Messages API. See docs/http-api.md."
             ),
         },
         "paths": paths,
