@@ -101,9 +101,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument(
         "--pp-micro-batch-size",
-        help="decode steps of up to N sequences run as one batched forward pass; 'auto': "
-        "ceil(--parallel / stages), the GPipe sizing that fills every stage "
-        "(default 1: each sequence is its own micro-batch)",
+        help="decode steps of up to N sequences run as one batched forward pass (1: each "
+        "sequence alone); default 'auto': one micro-batch per stage, the streams spread "
+        "evenly over them, so every stage computes while the others do",
+    )
+    p.add_argument(
+        "--prefill-chunk-size",
+        type=int,
+        metavar="N",
+        help="prompt tokens per prefill pass; default: chosen per prompt (about four chunks per "
+        "stage, so the stages work on different chunks at once; 32 while other streams "
+        "decode, so they keep getting tokens)",
     )
     p.add_argument(
         "--prompt-cache-entries",
@@ -339,6 +347,10 @@ def _node_options(args: argparse.Namespace) -> Any:
         )
     if args.parallel < 1:
         raise ConfigurationError("must be at least 1", source="--parallel")
+    if args.prefill_chunk_size is not None and not 1 <= args.prefill_chunk_size <= 65536:
+        raise ConfigurationError(
+            "use a number of tokens from 1 to 65536", source="--prefill-chunk-size"
+        )
     if args.max_batch_size < 1:
         raise ConfigurationError("must be at least 1", source="--max-batch-size")
     api_key = args.api_key
@@ -366,8 +378,9 @@ def _node_options(args: argparse.Namespace) -> Any:
         ready_file=args.ready_file,
         once_prompt=args.once,
         once_max_tokens=args.max_tokens,
-        micro_batch_size=1 if micro == "auto" else int(micro),
+        micro_batch_size=0 if micro == "auto" else int(micro),  # 0: auto
         prompt_cache_entries=args.prompt_cache_entries,
+        prefill_chunk_size=args.prefill_chunk_size,
         metrics=args.metrics,
         metrics_port=args.metrics_port,
         metrics_ready_file=args.metrics_ready_file,
@@ -381,8 +394,7 @@ def _node_options(args: argparse.Namespace) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     from mlxppd.app.serve_node import run_coordinator_node
-    from mlxppd.core.schedule import suggested_micro_batch_size
-    from mlxppd.runtime.serve import NodeOptions, run_stage_node
+    from mlxppd.runtime.serve import run_stage_node
     from mlxppd.runtime.system import event_loop
 
     # Every flag given is one this mode uses (mlxppd.cli.serve_modes), before anything starts.
@@ -398,27 +410,18 @@ def run(args: argparse.Namespace) -> int:
         os.environ[ENV_ALLOW_LOOSE] = "1"
     options = _node_options(args)
 
-    def sized(options: NodeOptions, stages: int) -> NodeOptions:
-        if str(args.pp_micro_batch_size) != "auto":
-            return options
-        return replace(options, micro_batch_size=suggested_micro_batch_size(args.parallel, stages))
-
     if mode in (Mode.ZERO_CONFIG_COORDINATOR, Mode.ZERO_CONFIG_DRY_RUN):
-        return event_loop.run(_run_auto(sized(options, args.pp_auto), _zero_config(args)))
+        return event_loop.run(_run_auto(options, _zero_config(args)))
     if mode is Mode.ZERO_CONFIG_PEER:
         return event_loop.run(_run_peer(options, _zero_config(args)))
     if mode is Mode.STAGE:
         return event_loop.run(run_stage_node(options))
     if mode is Mode.COORDINATOR:
-        from mlxppd.core.config.cluster import load_cluster_config
-
-        cluster = load_cluster_config(args.distributed_config)
-        options = sized(options, cluster.cluster.pipeline_parallel_size)
         return event_loop.run(run_coordinator_node(options))
-    return _run_local(args, options, sized)
+    return _run_local(args, options)
 
 
-def _run_local(args: argparse.Namespace, options: Any, sized: Any) -> int:
+def _run_local(args: argparse.Namespace, options: Any) -> int:
     """No cluster TOML: a local cluster of --pp-size stages, or every stage in this process."""
     from mlxppd.app.serve_node import run_inprocess, run_local_cluster
     from mlxppd.core.cpu_weights import CpuWeights, held_config
@@ -454,7 +457,7 @@ def _run_local(args: argparse.Namespace, options: Any, sized: Any) -> int:
     if len(ranges) >= 2:
         return int(
             run_local_cluster(
-                sized(options, len(ranges)),
+                options,
                 ranges,
                 port_range=port_range,
                 transport_backend=args.transport_backend or "tcp",

@@ -26,6 +26,12 @@ class _Group:
     seqs: list[str] = field(default_factory=list)
     caches: list[Any] | None = None
     released: set[str] = field(default_factory=set)
+    #: the members' caches have no batch form (mlx-lm cannot merge them): run row by row
+    unbatched: bool = False
+
+
+def _mergeable(caches: list[Any]) -> bool:
+    return all(callable(getattr(type(c), "merge", None)) for c in caches)
 
 
 class StageRunner:
@@ -40,11 +46,26 @@ class StageRunner:
 
     # -- micro-batches -------------------------------------------------------------------------
 
-    def _regroup(self, group_id: str, seqs: list[str]) -> list[Any]:
-        """Bring the group's batched caches to ``seqs``: filter leavers, merge newcomers."""
+    def _regroup(self, group_id: str, seqs: list[str]) -> list[Any] | None:
+        """Bring the group's batched caches to ``seqs``: filter leavers, merge newcomers.
+        None for a group whose caches cannot batch: its members keep their own."""
         group = self._groups.setdefault(group_id, _Group())
         if regroup(group.seqs, seqs) != seqs:
             raise ValueError(f"micro-batch {group_id}: members out of order: {seqs}")
+        if group.caches is None and not group.unbatched:
+            held = [self._caches.get(s) for s in seqs if s not in set(group.seqs)]
+            group.unbatched = any(c is not None and not _mergeable(c) for c in held)
+        if group.unbatched:
+            for gone in set(group.seqs) - set(seqs):
+                self._group_of.pop(gone, None)
+                self._caches.pop(gone, None)
+            for seq in seqs:
+                if seq not in self._caches:
+                    raise ValueError(f"sequence {seq} joins a micro-batch before its prefill")
+                self._group_of[seq] = group_id
+            group.seqs = list(seqs)
+            group.released -= set(seqs)
+            return None
         keep = [i for i, s in enumerate(group.seqs) if s in set(seqs)]
         if group.caches is not None and len(keep) < len(group.seqs):
             if keep:
@@ -75,16 +96,23 @@ class StageRunner:
         assert group.caches is not None
         return group.caches
 
+    def _group_forward(self, group_id: str, seqs: list[str], x: mx.array) -> mx.array:
+        caches = self._regroup(group_id, seqs)
+        if caches is not None:
+            return self.stage(x, caches)
+        rows = [self.stage(x[i : i + 1], self._caches[s]) for i, s in enumerate(seqs)]
+        return mx.concatenate(rows, axis=0)
+
     def forward_group(self, group_id: str, seqs: list[str], x: mx.array) -> mx.array:
         """One batched forward pass of a decode micro-batch; the output is evaluated."""
-        out = self.stage(x, self._regroup(group_id, seqs))
+        out = self._group_forward(group_id, seqs, x)
         mx.eval(out)
         return out
 
     def forward_group_and_sample(
         self, group_id: str, seqs: list[str], x: mx.array, logprobs: bool
     ) -> list[Sampled]:
-        logits = self.stage(x, self._regroup(group_id, seqs))[:, -1, :]
+        logits = self._group_forward(group_id, seqs, x)[:, -1, :]
         samplers = [self._samplers.get(s, GREEDY) for s in seqs]
         if not any(s.processors or s.top_logprobs or s.constraint for s in samplers):
             # The common case: one normalization and one evaluation for the whole batch.
@@ -185,6 +213,8 @@ class StageRunner:
             # frees its caches now.
             group = self._groups[group_id]
             group.released.add(seq)
+            if group.unbatched:
+                self._caches.pop(seq, None)
             if group.released >= set(group.seqs):
                 for member in group.seqs:
                     self._group_of.pop(member, None)

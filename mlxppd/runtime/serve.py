@@ -67,8 +67,9 @@ class NodeOptions:
     ready_file: Path | None = None
     once_prompt: str | None = None
     once_max_tokens: int = 64
-    micro_batch_size: int = 1
+    micro_batch_size: int = 0  # 0: auto, one balanced micro-batch per stage
     prompt_cache_entries: int = 8
+    prefill_chunk_size: int | None = None  # None: chosen per prompt (core/prefill_chunks.py)
     """prompt prefixes the stages keep for reuse (0: none)"""
     metrics: bool = False
     metrics_port: int | None = None
@@ -210,6 +211,7 @@ async def start_coordinator(options: NodeOptions) -> Coordinator:
         digest_cache=default_cache_dir(),
         micro_batch_size=options.micro_batch_size,
         prompt_cache=options.prompt_cache_entries,
+        prefill_chunk=options.prefill_chunk_size,
         parallel=options.parallel,
         warmup=options.warmup,
         trace_path=options.trace_path,

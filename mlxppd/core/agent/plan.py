@@ -110,7 +110,7 @@ class CoordinatorTarget:
     layers: tuple[LayerRange, ...]
     parallel: int = 64
     """sequences generating at once"""
-    micro_batch_size: int = 1
+    micro_batch_size: int = 0
     """decode sequences per pipeline pass"""
     prompt_cache_entries: int = 8
     """prompt prefixes the stages keep for reuse (0: none)"""

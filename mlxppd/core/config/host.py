@@ -144,7 +144,11 @@ class HostSettings(BaseSettings):
         "(sequences).",
     )
     micro_batch_size: int = Field(
-        1, ge=1, description="Decode sequences per pipeline pass (sequences)."
+        0,
+        ge=0,
+        le=256,
+        description="Decode sequences per pipeline pass (sequences; 1: each alone; 0: auto, "
+        "one balanced micro-batch per stage).",
     )
     prompt_cache_entries: int = Field(
         8,

@@ -74,7 +74,7 @@ class Coordinator(StageOps, LinkReader, PromptSender):
         model_id: str,
         *,
         connect_timeout_s: float = 60.0,
-        micro_batch_size: int = 1,
+        micro_batch_size: int = 0,
         parallel: int = 64,
         metrics: PipelineMetrics | None = None,
         trace_path: Path | None = None,
@@ -128,8 +128,12 @@ class Coordinator(StageOps, LinkReader, PromptSender):
                 wire=transport.stats.snapshot,
                 rdma_fallbacks=self._rdma_fallbacks,
             )
+        # 1: no micro-batches; 0: auto (micro_batcher.py)
+        stages = len(cluster.stage_nodes())
         self._batcher = (
-            MicroBatcher(micro_batch_size, self._send_group) if micro_batch_size > 1 else None
+            MicroBatcher(micro_batch_size, self._send_group, stages)
+            if micro_batch_size != 1
+            else None
         )
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -506,7 +510,8 @@ class Coordinator(StageOps, LinkReader, PromptSender):
         """Serve on a new pipeline (after a recovery): its links and the plan they hold."""
         self._links, self.plan, self._broken = links, plan, None
         if self._batcher is not None:  # the old groups' caches went with the old pipeline
-            self._batcher = MicroBatcher(self._micro_batch_size, self._send_group)
+            size = self._micro_batch_size
+            self._batcher = MicroBatcher(size, self._send_group, len(links))
 
 
 def _leader_gone(share: SharedPrefill | None, seq: str) -> None:

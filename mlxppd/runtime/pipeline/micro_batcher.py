@@ -1,9 +1,16 @@
 """Continuous batching of decode steps into micro-batches (coordinator side).
 
-Each decoding sequence belongs to one micro-batch group of at most ``size`` members. A group's
-step goes out as one batched forward pass when every current member has its next token; a
-member that finishes leaves, a newly prefilled sequence joins, both at step boundaries. Several
-groups are in flight at once, so every stage has work while the others compute.
+Each decoding sequence belongs to one micro-batch group. A group's step goes out as one batched
+forward pass when every current member has its next token; a member that finishes leaves, a
+newly prefilled sequence joins, both at step boundaries. Several groups are in flight at once,
+so every stage has work while the others compute.
+
+A fixed ``size`` fills the fullest group with room first (groups of ``size``). Auto (size 0,
+the default) keeps as many groups as there are stages and balances them: the first sequences
+each start a group, later ones join the smallest, so ``n`` streams on ``k`` stages run as ``k``
+groups of about ``n / k``: every stage computes one group while the others compute theirs, and
+each pass carries as many rows as that allows (on a CPU or GPU a pass of 4 rows costs little
+more than one of 1).
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mlxppd.core.protocol.pipeline import regroup
+from mlxppd.core.protocol.pipeline import MAX_MICRO_BATCH, regroup
 from mlxppd.runtime.pipeline.backend import BackendUnavailable, SequenceFailed, TokenEvent
 
 SendGroup = Callable[[str, list[str], int, np.ndarray, bool], Awaitable[None]]
@@ -38,8 +45,10 @@ class _Group:
 
 
 class MicroBatcher:
-    def __init__(self, size: int, send: SendGroup) -> None:
+    def __init__(self, size: int, send: SendGroup, stages: int = 1) -> None:
+        """``size``: sequences per group, 0 for auto (``stages`` balanced groups)."""
         self.size = size
+        self.stages = max(1, stages)
         self._send = send
         self._groups: dict[str, _Group] = {}
         self._group_of: dict[str, str] = {}
@@ -119,11 +128,15 @@ class MicroBatcher:
             group.waiting.clear()
 
     def _place(self, seq: str) -> _Group:
-        # Fill the fullest group that still has room, so groups stay few and large.
-        open_groups = [g for g in self._groups.values() if g.load < self.size]
-        if open_groups:
-            group = max(open_groups, key=lambda g: g.load)
+        open_groups = [g for g in self._groups.values() if g.load < (self.size or MAX_MICRO_BATCH)]
+        if self.size == 0:
+            # Auto: one group per stage, balanced.
+            full = len(self._groups) >= self.stages
+            group = min(open_groups, key=lambda g: g.load) if open_groups and full else None
         else:
+            # Fill the fullest group that still has room, so groups stay few and large.
+            group = max(open_groups, key=lambda g: g.load) if open_groups else None
+        if group is None:
             group = _Group(gid=f"g{next(self._ids)}")
             self._groups[group.gid] = group
         group.joining.append(seq)

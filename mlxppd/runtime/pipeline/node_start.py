@@ -142,6 +142,8 @@ class CoordinatorSetup:
     """where digests of model files are cached (the model cache)"""
     prompt_cache: int = 8
     """prompt prefixes the stages keep for reuse (0: none)"""
+    prefill_chunk: int | None = None
+    """prompt tokens per prefill pass (None: chosen per prompt, core/prefill_chunks.py)"""
 
 
 async def start_pipeline_coordinator(
@@ -176,6 +178,16 @@ async def start_pipeline_coordinator(
             else None
         ),
     )
+    coordinator.prefill_chunk = setup.prefill_chunk
+    stages = len(setup.plan)
+    log.info(
+        "coordinator: decode in %s; prefill in %s",
+        f"micro-batches of {setup.micro_batch_size}" if setup.micro_batch_size > 1
+        else "single-sequence passes" if setup.micro_batch_size == 1
+        else f"auto micro-batches (one per stage, {stages} stages, streams spread evenly)",
+        f"chunks of {setup.prefill_chunk} tokens" if setup.prefill_chunk
+        else "chunks chosen per prompt (about 4 per stage; 32 tokens while others decode)",
+    )  # fmt: skip
     try:
         await coordinator.start(warmup=False)
         if setup.align and await coordinator.align_stages():

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from mlxppd.core.prefill_chunks import prefill_chunk_size
 from mlxppd.core.prompt_cache import Reuse
 from mlxppd.runtime.pipeline.backend import SamplingParams
 from mlxppd.runtime.pipeline.shared_prefill import SharedPrefill
@@ -15,14 +16,14 @@ from mlxppd.runtime.pipeline.stage_link import StageLink
 from mlxppd.wire.codec import MessageKind
 from mlxppd.wire.errors import ChannelClosedError
 
-#: prompt tokens per prefill message (mlx-lm's prefill step)
-PREFILL_STEP_SIZE = 2048
-
 
 class PromptSender:
     """What the coordinator sends into the pipeline (mixed into ``Coordinator``)."""
 
     _links: list[StageLink]
+    #: --prefill-chunk-size (None: chosen per prompt, core/prefill_chunks.py)
+    prefill_chunk: int | None = None
+    active: int
 
     if TYPE_CHECKING:  # provided by Coordinator: how a link's failure is handled
 
@@ -44,10 +45,13 @@ class PromptSender:
             head = prompt[reuse.tokens : -1]  # the stages copy the rest from the entry
         if share is None or seq == share.leader_seq:
             forks = share.followers if share is not None else None
+            size = prefill_chunk_size(
+                len(head), len(self._links), self.active > 1, self.prefill_chunk
+            )
             try:
-                for i in range(0, len(head), PREFILL_STEP_SIZE):
-                    final = i + PREFILL_STEP_SIZE >= len(head)
-                    chunk = head[i : i + PREFILL_STEP_SIZE]
+                for i in range(0, len(head), size):
+                    final = i + size >= len(head)
+                    chunk = head[i : i + size]
                     await self._send_input(
                         seq, step, chunk, False, False, forks if final else None, cached
                     )

@@ -44,7 +44,8 @@ from mlxppd.engine.blas import blas_in_use
 from mlxppd.engine.sampling import SequenceSampler, constraint_for, make_sampler
 from mlxppd.engine.stage_runner import StageRunner
 from mlxppd.runtime.observability.trace import TraceBuffer
-from mlxppd.runtime.pipeline.stage_work import PrepareLayers, ReleaseAllWork, StageStats, Work
+from mlxppd.runtime.pipeline.stage_work import PrepareLayers, ReleaseAllWork, StageStats
+from mlxppd.runtime.pipeline.work_queue import WorkQueue
 from mlxppd.wire.channel import SecureChannel
 from mlxppd.wire.codec import MessageKind
 from mlxppd.wire.errors import ChannelClosedError
@@ -78,7 +79,7 @@ class StageControl:
     elastic_state: str
     _coordinator: SecureChannel | None
     _downstream: SecureChannel | None
-    _work: asyncio.Queue[Work]
+    _work: WorkQueue
     _side_tasks: TaskSet
     _heartbeat_interval_s: float | None
     _heartbeat_timeout_s: float | None

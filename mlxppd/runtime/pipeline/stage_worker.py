@@ -72,8 +72,8 @@ from mlxppd.runtime.pipeline.stage_work import (
     ReleaseWork,
     StageStats,
     SwapWork,
-    Work,
 )
+from mlxppd.runtime.pipeline.work_queue import WorkQueue
 from mlxppd.runtime.system.mlx_thread import MlxThread
 from mlxppd.wire.channel import SecureChannel
 from mlxppd.wire.codec import Message, MessageKind
@@ -108,7 +108,8 @@ class StageWorker(StageControl, StageModel):
         self.clock = ActivityClock(started=time.monotonic())
         self.latency = LatencyHistogram()
         self.trace = TraceBuffer(pid=f"stage-{spec.index}", enabled=False)
-        self._work: asyncio.Queue[Work] = asyncio.Queue()
+        # Arrival order, but a decode step runs before the next prefill chunk (work_queue.py).
+        self._work = WorkQueue()
         self._out: asyncio.Queue[Output] = asyncio.Queue()
         self._downstream: SecureChannel | None = None
         self._coordinator: SecureChannel | None = None
