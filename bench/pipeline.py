@@ -4,9 +4,10 @@ the same float32 weights and the same OpenBLAS, measured in one run.
     .venv/bin/python bench/pipeline.py [--model DIR] [--streams 8] [--max-tokens 48]
 
 mlx_lm.server runs as a user runs it, but on the fast CPU path too: the checkpoint converted to
-float32 (``mlx_lm convert --dtype float32``) and OpenBLAS put under mlx as mlxppd does
-(``mlxppd/engine/blas.py``), with OpenBLAS's default threads (every core). mlxpp is
-``mlxppd serve --pp-size N`` with default flags (one OpenBLAS thread per stage on 2 cores).
+float32 (``mlx_lm convert -d --dtype float32``: dequantized, as mlxppd's CPU default) and
+OpenBLAS put under mlx as mlxppd does (``mlxppd/engine/blas.py``), with OpenBLAS's default
+threads (every core). mlxpp is ``mlxppd serve --pp-size N`` with default flags (one OpenBLAS
+thread per stage on 2 cores).
 Prints one markdown table, every row beside its baseline from this run:
 - time to first token of a ~1,000-token prompt seen for the first time (no cache on either
   side), 2 and 3 stages, and whether the greedy continuation equals mlx_lm.server's;
@@ -37,9 +38,13 @@ import httpx
 from prompts import CHAT_PROMPT
 from serve import QUESTIONS, free_port, stop, wait_http
 
-#: about 1,000 tokens once the chat template wraps it (the 417-token prompt, longer)
-LONG_NOTES = CHAT_PROMPT.split("Summarise")[0]
-LONG_PROMPT = LONG_NOTES * 5 + "Summarise what I learned, then plan next week in five steps."
+#: about 1,000 tokens once the chat template wraps it (the 417-token prompt's notes, 5 times)
+_NOTES = CHAT_PROMPT.split("Summarise")[0]
+LONG_PROMPT = _NOTES[: len(_NOTES) // 2] * 5 + "Summarise what I learned in five short steps."
+
+
+#: where the servers' logs go (the cluster's says what micro-batching and chunks it chose)
+LOG_DIR = Path(tempfile.gettempdir())
 
 
 @dataclass
@@ -122,7 +127,14 @@ def measure(base: str, model: str, args: argparse.Namespace) -> Run:
     runs = in_threads([lambda q=q: chat(base, model, q, args.max_tokens) for q in questions])
     aggregate = sum(len(r.times) for r in runs) / (time.perf_counter() - start)
     p50, p99 = interference(base, model)
-    return Run(ttft, single, aggregate, p99 / p50, p50, p99)
+    run = Run(ttft, single, aggregate, p99 / p50, p50, p99)
+    print(
+        f"  ttft {[round(s.ttft_s, 2) for s in ttft]} s ({ttft[0].prompt_tokens} tokens), "
+        f"single {single.decode_tps:.2f} tok/s, {args.streams} streams {aggregate:.2f} tok/s, "
+        f"itl p50 {p50 * 1000:.0f} ms p99 during prefill {p99 * 1000:.0f} ms",
+        file=sys.stderr,
+    )
+    return run
 
 
 def interference(base: str, model: str) -> tuple[float, float]:
@@ -151,13 +163,18 @@ def interference(base: str, model: str) -> tuple[float, float]:
     return statistics.median(before), during[min(len(during) - 1, int(0.99 * len(during)))]
 
 
-def start_cluster(model_dir: Path, stages: int, env: dict[str, str], trace: Path | None) -> Any:
+def start_cluster(
+    model_dir: Path, stages: int, env: dict[str, str], trace: Path | None, *extra: str
+) -> Any:
     port = free_port()
-    cmd = [sys.executable, "-m", "mlxppd", "serve", "--model", str(model_dir),
-           "--pp-size", str(stages), "--port", str(port), "--alias", "m"]  # fmt: skip
+    split = ["--pp-size", str(stages)] if "--pp-layers" not in extra else []
+    cmd = [sys.executable, "-m", "mlxppd.cli.mlxppd_main", "serve", "--model", str(model_dir),
+           *split, "--port", str(port), "--alias", "m"]  # fmt: skip
     if trace is not None:
         cmd += ["--debug-pp-trace", str(trace)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    cmd += extra
+    log = open(LOG_DIR / f"mlxpp-{stages}.log", "wb")  # noqa: SIM115 (the server's lifetime)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log)
     base = f"http://127.0.0.1:{port}"
     wait_http(base, "/health", proc)
     return proc, base
@@ -176,8 +193,9 @@ def start_mlx_lm_server(model_dir: Path, env: dict[str, str]) -> Any:
     return proc, base
 
 
-def forward_gaps(trace: Path) -> dict[str, float]:
-    """Per stage, p50 of the idle time between consecutive batched decode passes (ms)."""
+def forward_gaps(trace: Path) -> dict[str, tuple[float, float]]:
+    """Per stage, p50 of the idle time between consecutive batched decode passes and p50 of
+    a pass's own time (ms)."""
     events = json.loads(trace.read_text())
     events = events.get("traceEvents", events) if isinstance(events, dict) else events
     spans: dict[str, list[tuple[float, float]]] = {}
@@ -188,17 +206,18 @@ def forward_gaps(trace: Path) -> dict[str, float]:
     for pid, items in sorted(spans.items()):
         items.sort()
         between = [b[0] - a[1] for a, b in zip(items, items[1:], strict=False)]
-        gaps[pid] = statistics.median(between) / 1000 if between else float("nan")
+        busy = statistics.median(b - a for a, b in items) / 1000
+        gaps[pid] = (statistics.median(between) / 1000 if between else float("nan"), busy)
     return gaps
 
 
 def trace_decode(
-    model_dir: Path, env: dict[str, str], args: argparse.Namespace
-) -> dict[str, float]:
+    model_dir: Path, env: dict[str, str], args: argparse.Namespace, *extra: str
+) -> dict[str, tuple[float, float]]:
     """A traced 2-stage cluster running only the N-stream decode."""
     with tempfile.TemporaryDirectory() as tmp:
         trace = Path(tmp) / "trace.json"
-        proc, base = start_cluster(model_dir, 2, env, trace)
+        proc, base = start_cluster(model_dir, 2, env, trace, *extra)
         try:
             chat(base, "m", QUESTIONS[1], 8)
             questions = (QUESTIONS * 2)[: args.streams]
@@ -224,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = Path(tmp) / "float32"
         subprocess.run(
             [sys.executable, "-m", "mlx_lm", "convert", "--hf-path", str(source),
-             "--mlx-path", str(model_dir), "--dtype", "float32"],
+             "--mlx-path", str(model_dir), "-d", "--dtype", "float32"],
             check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         proc, base = start_mlx_lm_server(model_dir, env)
@@ -277,9 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         print("| " + " | ".join(row) + " |")
     print(f"\nForward-to-forward gap p50 during {args.streams}-stream decode (2 stages, trace):")
-    print("\n| stage | gap p50 (ms) |\n|---|---:|")
-    for pid, gap in gaps.items():
-        print(f"| {pid} | {gap:.2f} |")
+    print("\n| stage | gap p50 (ms) | pass p50 (ms) |\n|---|---:|---:|")
+    for pid, (gap, busy) in gaps.items():
+        print(f"| {pid} | {gap:.2f} | {busy:.2f} |")
     return 0
 
 

@@ -97,3 +97,30 @@ def test_a_local_clusters_stages_share_the_cores_for_openblas() -> None:
     assert stage_environment({}, stages=3, cpus=2)["OPENBLAS_NUM_THREADS"] == "1"
     given = {"OPENBLAS_NUM_THREADS": "6", "PATH": "/bin"}
     assert stage_environment(given, stages=2, cpus=8) == given  # the operator's setting wins
+
+
+def test_a_solo_pass_may_use_every_core_and_idle_threads_sleep() -> None:
+    from mlxppd.runtime.local_cluster import stage_environment
+
+    env = stage_environment({}, stages=2, cpus=8)
+    assert env["MLXPP_SOLO_THREADS"] == "8" and env["OPENBLAS_THREAD_TIMEOUT"] == "4"
+
+
+def test_stage_threads_switch_between_the_share_and_solo_in_a_real_openblas() -> None:
+    """In a fresh process with OpenBLAS under mlx: a solo pass raises the thread count to the
+    solo figure and the next shared pass lowers it again; with no solo figure nothing moves."""
+    code = (
+        "from mlxppd.engine import blas; blas.use_optimized_blas(); "
+        "from mlxppd.engine.stage_threads import StageThreads; "
+        "get = blas._lib.openblas_get_num_threads; "
+        "t = StageThreads({'OPENBLAS_NUM_THREADS': '1', 'MLXPP_SOLO_THREADS': '2'}); "
+        "t.before_pass(True); a = get(); t.before_pass(False); b = get(); "
+        "off = StageThreads({'OPENBLAS_NUM_THREADS': '1'}); off.before_pass(True); "
+        "print(a, b, get(), t.enabled, off.enabled)"
+    )
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "MLXPP_BLAS": "auto"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["2", "1", "1", "True", "False"]

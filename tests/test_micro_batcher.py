@@ -15,7 +15,9 @@ def groups_of(size: int, stages: int, streams: int) -> list[list[str]]:
     (newcomers join a group at its step boundary, as they do on a live pipeline)."""
     sent: list[tuple[str, list[str]]] = []
 
-    async def send(gid: str, seqs: list[str], step: int, tokens: np.ndarray, lp: bool) -> None:
+    async def send(
+        gid: str, seqs: list[str], step: int, tokens: np.ndarray, lp: bool, alone: bool
+    ) -> None:
         sent.append((gid, seqs))
 
     async def run() -> dict[str, list[str]]:
@@ -47,3 +49,24 @@ def test_auto_with_fewer_streams_than_stages_runs_each_alone() -> None:
 
 def test_a_fixed_size_fills_groups_of_that_size() -> None:
     assert [len(g) for g in groups_of(3, 2, 8)] == [3, 3, 2]
+
+
+def test_a_step_is_sent_alone_only_when_no_other_group_is_in_flight() -> None:
+    flags: list[bool] = []
+
+    async def send(
+        gid: str, seqs: list[str], step: int, tokens: np.ndarray, lp: bool, alone: bool
+    ) -> None:
+        flags.append(alone)
+
+    async def run() -> None:
+        batcher = MicroBatcher(0, send, 2)
+        first = batcher.submit("a", 1, False)
+        await asyncio.sleep(0)
+        second = batcher.submit("b", 1, False)  # a second group while the first is in flight
+        await asyncio.sleep(0)
+        first.cancel()
+        second.cancel()
+
+    asyncio.run(run())
+    assert flags == [True, False]

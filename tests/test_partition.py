@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.layer_ranges import AdjacencyGroup, LayerRange
 from mlxppd.core.partition.plan import (
+    balance_compute,
     balance_layers,
     format_bytes,
     parse_byte_size,
@@ -360,3 +361,14 @@ def test_format_bytes_uses_binary_units() -> None:
         "5.00 MiB",
         "12.0 GiB",
     ]
+
+
+def test_stages_on_one_host_balance_time_not_bytes() -> None:
+    """Tied ends: bytes put 10 + 10 layers beside a table of 8 layers each; time counts the
+    lookup as nothing and the head, read by decode steps only, as half: 12 + 8."""
+    tied = synthetic([10] * 20, embedding=80, lm_head=80, shared=80)
+    assert [(r.start, r.end) for r in balance_layers(tied, 2).ranges] == [(0, 10), (10, 20)]
+    assert [(r.start, r.end) for r in balance_compute(tied, 2)] == [(0, 12), (12, 20)]
+    # Three stages: bytes leave the middle one most of the layers; time spreads them.
+    assert [(r.start, r.end) for r in balance_layers(tied, 3).ranges] == [(0, 4), (4, 16), (16, 20)]
+    assert [(r.start, r.end) for r in balance_compute(tied, 3)] == [(0, 8), (8, 16), (16, 20)]

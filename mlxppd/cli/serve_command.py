@@ -110,7 +110,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         type=int,
         metavar="N",
         help="prompt tokens per prefill pass; default: chosen per prompt (about four chunks per "
-        "stage, so the stages work on different chunks at once; 32 while other streams "
+        "stage, so the stages work on different chunks at once; 16 while other streams "
         "decode, so they keep getting tokens)",
     )
     p.add_argument(
@@ -426,7 +426,7 @@ def _run_local(args: argparse.Namespace, options: Any) -> int:
     from mlxppd.app.serve_node import run_inprocess, run_local_cluster
     from mlxppd.core.cpu_weights import CpuWeights, held_config
     from mlxppd.core.layer_ranges import parse_pp_layers
-    from mlxppd.core.partition.plan import balance_layers
+    from mlxppd.core.partition.plan import balance_compute
     from mlxppd.core.profile.model import profile_from_config, read_model_config
     from mlxppd.engine.cpu_weights import resolve_for_process
     from mlxppd.engine.families import single_process_reason
@@ -448,8 +448,9 @@ def _run_local(args: argparse.Namespace, options: Any) -> int:
     if args.pp_layers is not None:
         ranges = parse_pp_layers(args.pp_layers, profile.num_layers, profile.adjacency_groups)
     else:
-        # The auto partitioner: balanced bytes, no stage boundary inside an adjacency group.
-        ranges = balance_layers(profile, args.pp_size or 1).ranges
+        # One host's memory holds every stage: balance their time per token, not their bytes
+        # (no stage boundary inside an adjacency group either way).
+        ranges = balance_compute(profile, args.pp_size or 1)
     refusal = single_process_reason(config) or profile.pipeline_refusal
     if refusal and len(ranges) > 1:
         raise ConfigurationError(refusal, source="--pp-size/--pp-layers")

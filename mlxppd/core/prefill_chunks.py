@@ -20,8 +20,9 @@ CHUNKS_PER_STAGE = 4
 #: the fewest and most rows of a pipelined chunk
 MIN_CHUNK = 64
 MAX_CHUNK = 512
-#: rows of a chunk while other sequences decode: about one decode step's compute on a CPU
-SHARED_CHUNK = 32
+#: rows of a chunk while other sequences decode: their steps wait at most one such chunk per
+#: stage (bench/pipeline.py, 2 cores: inter-token p99/p50 about 2 at 16 rows, 3.9 at 32)
+SHARED_CHUNK = 16
 
 
 def prefill_chunk_size(

@@ -50,6 +50,8 @@ class BlasInUse:
 
 
 _chosen: BlasInUse | None = None
+#: the opened OpenBLAS, whose thread count ``set_threads`` changes
+_lib: ctypes.CDLL | None = None
 
 
 def blas_in_use() -> BlasInUse:
@@ -86,7 +88,19 @@ def _open(soname: str) -> BlasInUse | None:
             f"point {ENV} at an OpenBLAS build or set {ENV}=bundled",
             source=ENV,
         )
+    global _lib
+    _lib = lib
     return BlasInUse(_describe(lib, soname), optimized=True)
+
+
+def set_threads(count: int) -> bool:
+    """Have the opened OpenBLAS use ``count`` threads from its next call; False when there is
+    none to tell (the bundled BLAS, macOS)."""
+    setter = getattr(_lib, "openblas_set_num_threads", None) if _lib is not None else None
+    if setter is None:
+        return False
+    setter(ctypes.c_int(count))
+    return True
 
 
 def use_optimized_blas(

@@ -48,8 +48,8 @@ class LoadedStage:
     def make_cache(self) -> list[Any]:
         return self.net.make_cache()
 
-    def __call__(self, x: mx.array, cache: list[Any]) -> mx.array:
-        return self.net(x, cache)
+    def __call__(self, x: mx.array, cache: list[Any], head: bool = True) -> mx.array:
+        return self.net(x, cache, head)
 
 
 def model_classes(config: dict[str, Any]) -> tuple[Any, Any]:

@@ -147,11 +147,12 @@ class StageRunner:
         self._caches[seq] = copy.deepcopy(caches)
 
     def forward(self, seq: str, x: mx.array) -> mx.array:
-        """Run this stage's layers for one sequence; the output is evaluated."""
+        """Run this stage's layers for one sequence; the output is evaluated. On the last
+        stage that is a prefill chunk nobody samples from: its output head is skipped."""
         cache = self._caches.get(seq)
         if cache is None:
             cache = self._caches[seq] = self.stage.make_cache()
-        out = self.stage(x, cache)
+        out = self.stage(x, cache, head=False)
         mx.eval(out)
         return out
 

@@ -44,6 +44,7 @@ from mlxppd.core.config.render import render_cluster_toml
 from mlxppd.core.errors import TemporaryError
 from mlxppd.core.layer_ranges import LayerRange, format_pp_layers
 from mlxppd.core.restart_policy import RestartPolicy
+from mlxppd.engine.stage_threads import SOLO_ENV
 from mlxppd.runtime.serve import NodeOptions
 from mlxppd.wire.secret import load_cluster_secret
 from mlxppd.wire.tasks import spawn, stop_tasks
@@ -119,9 +120,14 @@ def local_cluster_toml(
 def stage_environment(environ: Mapping[str, str], stages: int, cpus: int) -> dict[str, str]:
     """A stage process's environment: this one's, with the CPU's cores shared between the
     stages for OpenBLAS (its idle threads spin: N stages with all the cores each spend much of
-    the CPU waiting on each other). An OPENBLAS_NUM_THREADS already set wins."""
+    the CPU waiting on each other), but every core for a pass that runs alone in the pipeline
+    (``engine/stage_threads.py``), with idle threads that sleep at once rather than spin. An
+    OPENBLAS_NUM_THREADS already set wins, and then no pass uses more."""
     env = dict(environ)
-    env.setdefault("OPENBLAS_NUM_THREADS", str(max(1, cpus // stages)))
+    if "OPENBLAS_NUM_THREADS" not in env:
+        env["OPENBLAS_NUM_THREADS"] = str(max(1, cpus // stages))
+        env.setdefault(SOLO_ENV, str(max(1, cpus)))
+        env.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")  # 2^4 cycles of spinning, then sleep
     return env
 
 

@@ -13,7 +13,7 @@ forces it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from mlxppd.core.errors import ConfigurationError
@@ -230,6 +230,21 @@ def balance_layers(
     stages = _assignments(profile, ranges, caps, device_ids)
     plan = PartitionPlan(profile, stages, auto=True)
     return PartitionPlan(profile, stages, _auto_warnings(plan, caps), auto=True)
+
+
+def balance_compute(profile: ModelProfile, num_stages: int) -> tuple[LayerRange, ...]:
+    """Ranges that balance each stage's time per token, for stages that share one host's
+    memory (a local cluster), where bytes need no balancing.
+
+    A stage's time is about the weights it reads: its layers', and on the last stage its
+    output head's, which every decode step reads and no prefill chunk does (it is skipped
+    there), so it counts half. The embedding is a lookup of one row per token: it counts
+    nothing. On the embedded model this gives 17 + 13 layers instead of 15 + 15, whose last
+    stage took 1.4x as long per decode pass as the first (bench/pipeline.py's trace)."""
+    weighted = replace(
+        profile, embedding_bytes=0, lm_head_bytes=profile.lm_head_bytes // 2, shared_end_bytes=0
+    )
+    return tuple(balance_layers(weighted, num_stages).ranges)
 
 
 def plan_layers(

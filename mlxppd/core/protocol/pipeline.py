@@ -66,6 +66,9 @@ class BatchForwardMeta(StrictModel):
     step: int = Field(ge=0, description="group-local step number")
     sample: bool = True
     logprobs: bool = False
+    solo: bool = Field(
+        False, description="nothing else is in the pipeline: a stage may use all its cores"
+    )
     sent_at: float | None = Field(None, description="sender's wall clock at send, seconds")
 
 

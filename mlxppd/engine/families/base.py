@@ -138,7 +138,9 @@ class StageNet:
     def make_cache(self) -> list[Any]:
         return self.family.make_cache(self.model, self.spec)
 
-    def __call__(self, x: mx.array, cache: list[Any]) -> mx.array:
+    def __call__(self, x: mx.array, cache: list[Any], head: bool = True) -> mx.array:
+        """``head=False``: the last stage stops before its output head (a prefill chunk whose
+        logits nobody samples: the head is a fifth of a small model's weights)."""
         h = self.family.embed(self.model, x) if self.spec.has_embedding else x
         h = self.family.run_layers(self.model, h, cache, self.spec)
-        return self.family.head(self.model, h) if self.spec.has_lm_head else h
+        return self.family.head(self.model, h) if self.spec.has_lm_head and head else h

@@ -25,7 +25,8 @@ import numpy as np
 from mlxppd.core.protocol.pipeline import MAX_MICRO_BATCH, regroup
 from mlxppd.runtime.pipeline.backend import BackendUnavailable, SequenceFailed, TokenEvent
 
-SendGroup = Callable[[str, list[str], int, np.ndarray, bool], Awaitable[None]]
+#: (group, members, step, tokens, logprobs wanted, no other group in flight)
+SendGroup = Callable[[str, list[str], int, np.ndarray, bool, bool], Awaitable[None]]
 
 
 @dataclass
@@ -159,7 +160,10 @@ class MicroBatcher:
         step = group.step
         group.step += 1
         want_logprobs = any(s in group.logprobs for s in order)
-        task = asyncio.ensure_future(self._send(group.gid, order, step, tokens, want_logprobs))
+        alone = not any(g.in_flight for g in self._groups.values() if g is not group)
+        task = asyncio.ensure_future(
+            self._send(group.gid, order, step, tokens, want_logprobs, alone)
+        )
         task.add_done_callback(lambda t: self._sent(t, group))
 
     def _sent(self, task: asyncio.Future[None], group: _Group) -> None:

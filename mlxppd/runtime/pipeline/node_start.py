@@ -186,7 +186,7 @@ async def start_pipeline_coordinator(
         else "single-sequence passes" if setup.micro_batch_size == 1
         else f"auto micro-batches (one per stage, {stages} stages, streams spread evenly)",
         f"chunks of {setup.prefill_chunk} tokens" if setup.prefill_chunk
-        else "chunks chosen per prompt (about 4 per stage; 32 tokens while others decode)",
+        else "chunks chosen per prompt (about 4 per stage; 16 tokens while others decode)",
     )  # fmt: skip
     try:
         await coordinator.start(warmup=False)

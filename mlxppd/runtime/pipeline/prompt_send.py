@@ -80,10 +80,15 @@ class PromptSender:
             raise self._lost(str(exc)) from None
 
     async def _send_group(
-        self, group: str, seqs: list[str], step: int, tokens: np.ndarray, logprobs: bool
-    ) -> None:
+        self, group: str, seqs: list[str], step: int, tokens: np.ndarray, logprobs: bool,
+        alone: bool = False,
+    ) -> None:  # fmt: skip
         link = self._links[0]
         meta = {"group": group, "seqs": seqs, "step": step, "sample": True, "logprobs": logprobs}
+        if alone and self.active == len(seqs):
+            # Nothing else in the pipeline: one stage computes at a time, so each may use
+            # every core its host lends to solo passes (stage_threads.py).
+            meta["solo"] = True
         try:
             await link.channel.send(MessageKind.ACTIVATION, meta, tokens)
         except ChannelClosedError as exc:

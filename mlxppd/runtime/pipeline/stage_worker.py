@@ -57,6 +57,7 @@ from mlxppd.core.stage_accounting import ActivityClock, LatencyHistogram
 from mlxppd.core.stages import StageSpec
 from mlxppd.engine.prepared_copy import ModelReceiver
 from mlxppd.engine.stage_runner import StageRunner
+from mlxppd.engine.stage_threads import StageThreads
 from mlxppd.engine.wire_tensors import from_wire, to_wire
 from mlxppd.runtime.observability.trace import TraceBuffer, now_us
 from mlxppd.runtime.pipeline.stage_control import ProtocolViolation, StageControl, send_reply
@@ -129,6 +130,7 @@ class StageWorker(StageControl, StageModel):
         self._tokenizer: Any = None
         self._staged: tuple[StageSpec, StageRunner, StageKvManager] | None = None
         self._side_tasks = TaskSet()
+        self._threads = StageThreads()
         self.elastic_state = "idle"
         # Sequences that failed here: their queued inputs are skipped until released.
         self._failed: set[str] = set()
@@ -340,6 +342,7 @@ class StageWorker(StageControl, StageModel):
         sample = meta.sample and self.spec.has_lm_head
 
         def run() -> Any:
+            self._threads.before_pass(False)
             x = from_wire(tensor)
             if meta.cached is not None:
                 self._layers().start_from(meta.cached[0], meta.seq, meta.cached[1])
@@ -396,6 +399,7 @@ class StageWorker(StageControl, StageModel):
         last = self.spec.has_lm_head
 
         def run() -> Any:
+            self._threads.before_pass(meta.solo)
             x = from_wire(tensor)
             if x.shape[0] != len(meta.seqs):
                 raise ValueError(f"{x.shape[0]} rows for {len(meta.seqs)} sequences")
