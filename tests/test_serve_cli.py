@@ -99,7 +99,8 @@ def test_the_log_level_reaches_the_stage_processes(cli_env: dict[str, str]) -> N
     assert " INFO " not in quiet.stderr, quiet.stderr
     chatty = serve(*flags, env=cli_env)
     assert chatty.returncode == 0, chatty.stderr
-    assert "mlxppd.stage INFO stage 0: layers 0-14" in chatty.stderr
+    # (a local cluster splits by time per token: 0-16 + 17-29 on the embedded model)
+    assert "mlxppd.stage INFO stage 0: layers 0-16" in chatty.stderr
 
 
 @pytest.mark.slow
