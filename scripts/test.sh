@@ -50,7 +50,8 @@ set +e
 # Two workers, one test file each at a time (--dist loadfile: a file's module fixtures, its
 # clusters, are built once). Most tests wait on the processes they start, so two files share
 # two cores well; each worker gets its own local-cluster port range (tests/conftest.py).
-$V/python -m pytest -n 2 --dist loadfile "$@"
+# The slowest files go first, in tests/conftest.py's order (SLOW_MODULES), not xdist's.
+$V/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder "$@"
 rc=$?
 if [ "$rc" = 0 ] && [ "$#" = 0 ]; then
   # mlxppd runs on uvloop where it is installed; the wire must work on asyncio's loop too.

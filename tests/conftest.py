@@ -27,6 +27,32 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ["MLXPP_TRANSPORT_PORT_RANGE"] = f"{first}-{first + 29}"
 
 
+#: the modules that keep one xdist worker busiest, slowest first (``pytest --durations=0``
+#: summed per file on 2 cores). ``scripts/test.sh`` runs them first, with xdist's reordering
+#: off: the two workers then take the rest as they come free and finish together, instead of
+#: one of them starting a three-minute cluster module last while the other idles.
+SLOW_MODULES = (
+    "test_sampling_api.py",
+    "test_failover.py",
+    "test_serve_cluster.py",
+    "test_elastic_cluster.py",
+    "test_zero_config.py",
+    "test_stage_parity.py",
+    "test_generate_cli.py",
+    "test_serve_cli.py",
+    "test_http_api.py",
+    "test_openapi.py",
+    "test_http_attacks.py",
+    "test_prepare_cluster.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(SLOW_MODULES)}
+    # A stable sort: each module's tests keep their order (its module fixtures run once).
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_MODULES)))
+
+
 @pytest.fixture(scope="session")
 def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A model cache private to this test session (the user's ~/.cache is never touched)."""
