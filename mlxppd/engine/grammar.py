@@ -30,11 +30,11 @@ import llguidance
 import mlx.core as mx
 import numpy as np
 
+from mlxppd.core.protocol.sampling import MAX_SCHEMA_BYTES  # refused before compiling
+
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
-#: schemas larger than this (as compact JSON) are refused before any compilation
-MAX_SCHEMA_BYTES = 64 * 1024
 #: schemas nested deeper than this (objects and arrays of the schema document) are refused
 MAX_SCHEMA_DEPTH = 32
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-import orjson
 from pydantic import BeforeValidator, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
@@ -18,12 +17,13 @@ from mlxppd.http.api_models import Absent, ResponseModel, omitted
 from mlxppd.http.requests import (
     MAX_CONTENT_PARTS,
     MAX_MESSAGES,
-    MAX_STOP_CHARS,
-    MAX_STOP_STRINGS,
     ApiModel,
     Name,
+    stop_strings,
+    text_parts,
     unsupported,
 )
+from mlxppd.http.tools import MAX_TOOLS, BoundedSchema
 
 MESSAGES_PATH = "/v1/messages"
 COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
@@ -32,12 +32,8 @@ OVERLOADED_STATUS = 529
 #: text blocks of one turn, and consecutive turns of one role, are joined with a blank line
 BLOCK_SEPARATOR = "\n\n"
 
-#: most tools in one request
-MAX_TOOLS = 128
 #: longest tool description, in characters
 MAX_DESCRIPTION_CHARS = 8192
-#: bytes of JSON one tool's input schema may take
-MAX_SCHEMA_BYTES = 64 * 1024
 
 #: block types Anthropic defines and this server does not take: refused by name
 _UNSUPPORTED_BLOCKS = frozenset(
@@ -72,46 +68,11 @@ def _as_blocks(value: Any) -> Any:
 def _joined_text(value: Any) -> Any:
     """``system`` or a tool result's ``content`` as one string: a string, or text blocks
     joined with a blank line; null is empty."""
-    if value is None:
-        return ""
-    if isinstance(value, str):
-        return value
-    if not isinstance(value, list):
-        raise PydanticCustomError("invalid_type", "must be a string or a list of text blocks")
-    if len(value) > MAX_CONTENT_PARTS:
-        raise PydanticCustomError(
-            "invalid_value", "takes at most {most} blocks", {"most": MAX_CONTENT_PARTS}
-        )
-    texts = []
-    for block in value:
-        if not isinstance(block, dict) or block.get("type") != "text":
-            raise unsupported("a block other than text")
-        text = block.get("text")
-        if not isinstance(text, str):
-            raise PydanticCustomError("invalid_type", "a text block needs a string 'text'")
-        texts.append(text)
-    return BLOCK_SEPARATOR.join(texts)
+    return "" if value is None else text_parts(value, BLOCK_SEPARATOR, "block")
 
 
 def _stop_sequences(value: Any) -> Any:
-    """``stop_sequences`` as a tuple; empty strings never match, so they are dropped."""
-    if value is None:
-        return ()
-    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-        raise PydanticCustomError("invalid_type", "must be a list of strings")
-    if len(value) > MAX_STOP_STRINGS:
-        raise PydanticCustomError(
-            "invalid_value",
-            "takes at most {most} strings, got {got}",
-            {"most": MAX_STOP_STRINGS, "got": len(value)},
-        )
-    if any(len(s) > MAX_STOP_CHARS for s in value):
-        raise PydanticCustomError(
-            "invalid_value",
-            "a stop sequence is at most {most} characters",
-            {"most": MAX_STOP_CHARS},
-        )
-    return tuple(s for s in value if s)
+    return stop_strings(value, one_string=False)
 
 
 JoinedText = Annotated[
@@ -175,17 +136,8 @@ class ToolDefinition(ApiModel):
 
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = Field(None, max_length=MAX_DESCRIPTION_CHARS)
-    input_schema: dict[str, Any]
+    input_schema: BoundedSchema
     type: Literal["custom"] | None = None
-
-    @field_validator("input_schema")
-    @classmethod
-    def _bounded(cls, value: dict[str, Any]) -> dict[str, Any]:
-        if len(orjson.dumps(value)) > MAX_SCHEMA_BYTES:
-            raise PydanticCustomError(
-                "invalid_value", "a schema is at most {most} bytes", {"most": MAX_SCHEMA_BYTES}
-            )
-        return value
 
 
 class ToolChoice(ApiModel):

@@ -10,7 +10,6 @@ errors into OpenAI-shaped 400s naming the field.
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -25,8 +24,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from mlxppd.core.protocol.control import MAX_SEED, MAX_SEQUENCE_TOKENS
-from mlxppd.core.protocol.sampling import MAX_SCHEMA_BYTES
-from mlxppd.http.tools import MAX_TOOLS, ToolCallIn, ToolChoice, ToolDef
+from mlxppd.http.tools import MAX_TOOLS, BoundedSchema, ToolCallIn, ToolChoice, ToolDef
 
 #: most messages in one chat request (a long agent transcript has a few hundred)
 MAX_MESSAGES = 2048
@@ -52,13 +50,15 @@ def unsupported(what: str) -> PydanticCustomError:
     )
 
 
-def _stop_list(value: Any) -> Any:
-    """``stop`` as a tuple of strings; OpenAI ignores empty stop strings, so do we."""
+def stop_strings(value: Any, one_string: bool = True) -> Any:
+    """Stop strings as a bounded tuple (``one_string``: a lone string is a list of one);
+    empty ones never match, so they are dropped, as OpenAI and Anthropic do."""
     if value is None:
         return ()
-    items = [value] if isinstance(value, str) else value
+    items = [value] if one_string and isinstance(value, str) else value
     if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
-        raise PydanticCustomError("invalid_type", "must be a string or a list of strings")
+        kinds = "a string or a list of strings" if one_string else "a list of strings"
+        raise PydanticCustomError("invalid_type", f"must be {kinds}")
     if len(items) > MAX_STOP_STRINGS:
         raise PydanticCustomError(
             "invalid_value",
@@ -72,29 +72,31 @@ def _stop_list(value: Any) -> Any:
     return tuple(s for s in items if s)
 
 
-def _content_text(value: Any) -> Any:
-    """A message's content as one string: a string, or a list of text parts joined."""
+def text_parts(value: Any, joiner: str = "", noun: str = "part") -> Any:
+    """Content as one string: a string, or a list of at most MAX_CONTENT_PARTS text
+    ``noun``s (OpenAI's parts, Anthropic's blocks) joined with ``joiner``."""
     if isinstance(value, str):
         return value
     if not isinstance(value, list):
-        raise PydanticCustomError("invalid_type", "must be a string or a list of text parts")
+        raise PydanticCustomError("invalid_type", f"must be a string or a list of text {noun}s")
     if len(value) > MAX_CONTENT_PARTS:
+        # Checked before the parts, so 100,000 tiny parts cost one check.
         raise PydanticCustomError(
-            "invalid_value", "takes at most {most} parts", {"most": MAX_CONTENT_PARTS}
+            "invalid_value", f"takes at most {{most}} {noun}s", {"most": MAX_CONTENT_PARTS}
         )
     texts = []
     for part in value:
         if not isinstance(part, dict) or part.get("type") != "text":
-            raise unsupported("content other than text parts")
+            raise unsupported(f"content other than text {noun}s")
         text = part.get("text")
         if not isinstance(text, str):
-            raise PydanticCustomError("invalid_type", "a text part needs a string 'text'")
+            raise PydanticCustomError("invalid_type", f"a text {noun} needs a string 'text'")
         texts.append(text)
-    return "".join(texts)
+    return joiner.join(texts)
 
 
 def _optional_content_text(value: Any) -> Any:
-    return None if value is None else _content_text(value)
+    return None if value is None else text_parts(value)
 
 
 class JsonSchemaFormat(BaseModel):
@@ -102,17 +104,8 @@ class JsonSchemaFormat(BaseModel):
 
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")] = "response"
     description: str | None = Field(None, max_length=4096)
-    schema_: dict[str, Any] = Field(alias="schema", description="the JSON schema to follow")
+    schema_: BoundedSchema = Field(alias="schema", description="the JSON schema to follow")
     strict: bool | None = None
-
-    @field_validator("schema_")
-    @classmethod
-    def _bounded(cls, value: dict[str, Any]) -> dict[str, Any]:
-        if len(json.dumps(value)) > MAX_SCHEMA_BYTES:
-            raise PydanticCustomError(
-                "invalid_value", "a schema is at most {most} bytes", {"most": MAX_SCHEMA_BYTES}
-            )
-        return value
 
 
 class ResponseFormat(BaseModel):
@@ -168,7 +161,7 @@ def _logit_bias(value: Any) -> Any:
 
 StopStrings = Annotated[
     tuple[str, ...],
-    BeforeValidator(_stop_list, json_schema_input_type=str | list[str] | None),
+    BeforeValidator(stop_strings, json_schema_input_type=str | list[str] | None),
 ]
 Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
 LogitBias = Annotated[

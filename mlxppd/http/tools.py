@@ -19,14 +19,28 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+import orjson
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from pydantic_core import PydanticCustomError
+
+from mlxppd.core.protocol.sampling import MAX_SCHEMA_BYTES
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
 MAX_TOOLS = 128
-#: bytes of JSON one function's parameter schema may take
-MAX_SCHEMA_BYTES = 64 * 1024
+
+
+def _bounded_schema(value: dict[str, Any]) -> dict[str, Any]:
+    if len(orjson.dumps(value)) > MAX_SCHEMA_BYTES:
+        raise PydanticCustomError(
+            "invalid_value", "a schema is at most {most} bytes", {"most": MAX_SCHEMA_BYTES}
+        )
+    return value
+
+
+#: a JSON schema a client sends (a tool's parameters, a response format): at most
+#: MAX_SCHEMA_BYTES of compact JSON, as the stage's grammar compiler takes it
+BoundedSchema = Annotated[dict[str, Any], AfterValidator(_bounded_schema)]
 
 FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 
@@ -38,20 +52,11 @@ class _Api(BaseModel):
 class FunctionDef(_Api):
     name: FunctionName
     description: str = Field("", max_length=8192)
-    parameters: dict[str, Any] = Field(
+    parameters: BoundedSchema = Field(
         default_factory=lambda: {"type": "object", "properties": {}},
         description="a JSON schema of the arguments",
     )
     strict: bool | None = None
-
-    @field_validator("parameters")
-    @classmethod
-    def _bounded(cls, value: dict[str, Any]) -> dict[str, Any]:
-        if len(json.dumps(value)) > MAX_SCHEMA_BYTES:
-            raise PydanticCustomError(
-                "invalid_value", "a schema is at most {most} bytes", {"most": MAX_SCHEMA_BYTES}
-            )
-        return value
 
 
 class ToolDef(_Api):

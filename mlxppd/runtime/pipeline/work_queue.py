@@ -53,11 +53,11 @@ class WorkQueue:
         while not self._items:
             self._more.clear()
             await self._more.wait()
+        steps = self._steps() if self._after_chunk or self._credit else []
         if self._after_chunk:
             # The chunk is done: the steps waiting now run before the next one.
             self._after_chunk = False
-            self._credit = len(self._steps())
-        steps = self._steps() if self._credit else []
+            self._credit = len(steps)
         if steps:
             self._credit -= 1
             item = self._items[steps[0]]
