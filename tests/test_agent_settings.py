@@ -197,6 +197,21 @@ def test_coordinator_desired_state_uses_the_partitioner_without_layers(tmp_path:
     assert desired.coordinator.layers == (LayerRange(0, 15), LayerRange(15, 30))
 
 
+def test_the_coordinators_batching_and_chunks_come_from_the_host_file(tmp_path: Path) -> None:
+    cfg = cluster()
+    node = match_node(cfg, "coordinator", bool)
+    default = desired_state(cfg, load_host_settings(tmp_path, environ={}), node, EMBEDDED_LIKE, "g")
+    assert default.coordinator is not None
+    # The fast path by default: auto micro-batches, chunks sized by the coordinator.
+    assert (default.coordinator.micro_batch_size, default.coordinator.prefill_chunk_size) == (0, 0)
+    text = "micro_batch_size = 4\nprefill_chunk_size = 128\n"
+    host = load_host_settings(write(tmp_path, text), environ={})
+    tuned = desired_state(cfg, host, node, EMBEDDED_LIKE, "g").coordinator
+    assert tuned is not None and (tuned.micro_batch_size, tuned.prefill_chunk_size) == (4, 128)
+    # Another chunk size needs another pipeline (the agent reconnects it).
+    assert tuned.pipeline_key() != default.coordinator.pipeline_key()
+
+
 def test_layers_beyond_the_model_name_the_cluster_key(tmp_path: Path) -> None:
     cfg = cluster('layers = ["0-9", "10-39"]')
     host = load_host_settings(tmp_path, environ={})

@@ -5,26 +5,20 @@ same stage with the cluster's tensors is verified."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
 
-from mlxppd.core.config.cluster import parse_cluster_config
-from mlxppd.core.layer_ranges import LayerRange
 from mlxppd.core.model_identity import IdentityCheck
-from mlxppd.core.stages import StageSpec
 from mlxppd.runtime.pipeline.identity_check import ModelMismatch
-from mlxppd.runtime.pipeline.node_start import CoordinatorSetup, start_pipeline_coordinator
-from mlxppd.runtime.pipeline.stage_worker import StageWorker
 from mlxppd.runtime.system.mlx_thread import MlxThread
 from tests.conftest import TINY_LLAMA
-from tests.test_sequence_isolation import CLUSTER_TOML, stage_worker
-from tests.wire_support import CLUSTER, SECRET, run
+from tests.pipeline_support import SPLIT, pipeline
+from tests.test_sequence_isolation import stage_worker
+from tests.wire_support import run
 
-SPLIT = (StageSpec(0, 2, 0, 3), StageSpec(1, 2, 3, 6))
 CHANGED = "model.layers.4.mlp.down_proj.weight"
 
 
@@ -43,31 +37,12 @@ async def connect(
     """Stage i loads from ``stage_dirs[i]``; the coordinator's copy is ``source``. The checks,
     and the refusal when the coordinator refused to serve."""
     mlx = MlxThread("identity-mlx")
-    workers: list[StageWorker] = [
-        await stage_worker(d, mlx, spec) for d, spec in zip(stage_dirs, SPLIT, strict=True)
-    ]
+    workers = [await stage_worker(d, mlx, spec) for d, spec in zip(stage_dirs, SPLIT, strict=True)]
     try:
-        ports = [(await w.start("127.0.0.1", 0))[1] for w in workers]
-        cluster = parse_cluster_config(
-            CLUSTER_TOML.format(name=CLUSTER, port0=ports[0], port1=ports[1]), "test.toml"
-        )
-        setup = CoordinatorSetup(
-            cluster=cluster, node_id="coordinator", secret=SECRET, transport="tcp",
-            plan=(LayerRange(0, 3), LayerRange(3, 6)), micro_batch_size=1, parallel=4,
-            warmup=False, align=False,
-            model_config=json.loads((source / "config.json").read_text()), model_dir=source,
-        )  # fmt: skip
-        try:
-            coordinator = await start_pipeline_coordinator(setup, None, "tiny", None)
-        except ModelMismatch as exc:
-            return exc.checks, str(exc)
-        checks = coordinator.identity_checks
-        await coordinator.close()
-        return checks, None
-    finally:
-        for worker in workers:
-            await worker.close()
-        mlx.close()
+        async with pipeline(workers, mlx, source) as coordinator:
+            return coordinator.identity_checks, None
+    except ModelMismatch as exc:
+        return exc.checks, str(exc)
 
 
 def test_a_stage_with_one_changed_tensor_is_refused_naming_both_digests(

@@ -10,21 +10,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mlxppd.core.config.cluster import parse_cluster_config
-from mlxppd.core.layer_ranges import LayerRange
 from mlxppd.core.prompt_cache import PromptIndex
 from mlxppd.core.stages import StageSpec
 from mlxppd.runtime.pipeline.backend import SamplingParams
-from mlxppd.runtime.pipeline.node_start import CoordinatorSetup, start_pipeline_coordinator
 from mlxppd.runtime.pipeline.stage_loader import load_stage_runner, stage_kv_manager
 from mlxppd.runtime.pipeline.stage_worker import StageWorker
 from mlxppd.runtime.system.mlx_thread import MlxThread
 from mlxppd.wire.backends import create_transport
 from tests.conftest import TINY_LLAMA
-from tests.test_sequence_isolation import CLUSTER_TOML
-from tests.wire_support import CLUSTER, SECRET, config, eventually, run
+from tests.pipeline_support import SPLIT, pipeline
+from tests.wire_support import config, eventually, run
 
-SPLIT = (StageSpec(0, 2, 0, 3), StageSpec(1, 2, 3, 6))
 FIRST = list(range(3, 43))  # 40 tokens
 OTHER = list(range(100, 140))
 PARAMS = SamplingParams(max_tokens=6)
@@ -60,22 +56,12 @@ def test_kept_prefixes_are_reused_and_given_up_for_room(tiny_model: Callable[...
         mlx = MlxThread("prompt-cache-mlx")
         # Room for one request (46 tokens) and a kept prefix (45), not for two of each.
         workers = [await _worker(model, mlx, spec, budget=100) for spec in SPLIT]
-        ports = [(await w.start("127.0.0.1", 0))[1] for w in workers]
-        cluster = parse_cluster_config(
-            CLUSTER_TOML.format(name=CLUSTER, port0=ports[0], port1=ports[1]), "test.toml"
-        )
-        setup = CoordinatorSetup(
-            cluster=cluster, node_id="coordinator", secret=SECRET, transport="tcp",
-            plan=(LayerRange(0, 3), LayerRange(3, 6)), micro_batch_size=1, parallel=4,
-            warmup=False, align=False,
-        )  # fmt: skip
-        coordinator = await start_pipeline_coordinator(setup, None, "tiny", None)
+        async with pipeline(workers, mlx) as coordinator:
 
-        async def ask(prompt: list[int]) -> tuple[list[int], int]:
-            events = [e async for e in coordinator.generate("t", prompt, PARAMS)]
-            return [e.token for e in events], events[0].cached or 0
+            async def ask(prompt: list[int]) -> tuple[list[int], int]:
+                events = [e async for e in coordinator.generate("t", prompt, PARAMS)]
+                return [e.token for e in events], events[0].cached or 0
 
-        try:
             out: dict[str, Any] = {"first": await ask(FIRST)}
             # The release that keeps the prefix reaches the stages after the last token.
             await eventually(lambda: all(len(w.kv.pinned) == 1 for w in workers))
@@ -84,11 +70,6 @@ def test_kept_prefixes_are_reused_and_given_up_for_room(tiny_model: Callable[...
             out["other"] = await ask(OTHER)  # needs the room the kept prefixes hold
             out["kept"] = len(coordinator.prompts or ())
             return out
-        finally:
-            await coordinator.close()
-            for worker in workers:
-                await worker.close()
-            mlx.close()
 
     out = run(scenario)
     tokens, cached = out["first"]

@@ -108,6 +108,7 @@ def desired_state(
             parallel=host.parallel,
             micro_batch_size=host.micro_batch_size,
             prompt_cache_entries=host.prompt_cache_entries,
+            prefill_chunk_size=host.prefill_chunk_size,
             api_key=host.api_key,
         )
         return DesiredState(node.id, generation, cluster.cluster.elastic, coordinator=coordinator)

@@ -114,6 +114,8 @@ class CoordinatorTarget:
     """decode sequences per pipeline pass"""
     prompt_cache_entries: int = 8
     """prompt prefixes the stages keep for reuse (0: none)"""
+    prefill_chunk_size: int = 0
+    """prompt tokens per prefill pass (0: sized per prompt by the coordinator)"""
     api_key: str | None = field(default=None, repr=False)
 
     def pipeline_key(self) -> tuple[object, ...]:
@@ -124,6 +126,7 @@ class CoordinatorTarget:
             self.parallel,
             self.micro_batch_size,
             self.prompt_cache_entries,
+            self.prefill_chunk_size,
         )
 
     def http_key(self) -> tuple[object, ...]:

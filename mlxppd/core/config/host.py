@@ -150,6 +150,13 @@ class HostSettings(BaseSettings):
         description="Decode sequences per pipeline pass (sequences; 1: each alone; 0: auto, "
         "one balanced micro-batch per stage).",
     )
+    prefill_chunk_size: int = Field(
+        0,
+        ge=0,
+        le=65536,
+        description="Coordinator only: prompt tokens per prefill pass (tokens; 0: sized per "
+        "prompt from the stage count and the measured pipeline speed).",
+    )
     prompt_cache_entries: int = Field(
         8,
         ge=0,

@@ -332,6 +332,7 @@ class NodeRuntime:
             plan=target.layers,
             micro_batch_size=target.micro_batch_size,
             prompt_cache=target.prompt_cache_entries,
+            prefill_chunk=target.prefill_chunk_size or None,
             parallel=target.parallel,
             warmup=ctx.host.warmup,
             connect_timeout_s=self.connect_timeout_s,

@@ -53,6 +53,7 @@ from mlxppd.runtime.pipeline.link_reader import LinkReader
 from mlxppd.runtime.pipeline.micro_batcher import MicroBatcher
 from mlxppd.runtime.pipeline.prompt_send import PromptSender
 from mlxppd.runtime.pipeline.shared_prefill import SharedPrefill
+from mlxppd.runtime.pipeline.speed_meter import SpeedMeter
 from mlxppd.runtime.pipeline.stage_link import StageLink
 from mlxppd.runtime.pipeline.stage_ops import StageOps
 from mlxppd.wire.errors import ChannelClosedError
@@ -130,6 +131,7 @@ class Coordinator(StageOps, LinkReader, PromptSender):
             )
         # 1: no micro-batches; 0: auto (micro_batcher.py)
         stages = len(cluster.stage_nodes())
+        self.meter = SpeedMeter(stages)
         self._batcher = (
             MicroBatcher(micro_batch_size, self._send_group, stages)
             if micro_batch_size != 1
@@ -395,6 +397,7 @@ class Coordinator(StageOps, LinkReader, PromptSender):
                     item = got
                 else:
                     item = await pending
+                self.meter.token(seq)
                 if produced == 0 and reuse is not None:
                     item = replace(item, cached=reuse.tokens)
                 tokens.append(item.token)
@@ -420,6 +423,7 @@ class Coordinator(StageOps, LinkReader, PromptSender):
                     return
         finally:
             self._queues.pop(seq, None)
+            self.meter.ended(seq)
             if self._batcher is not None:
                 self._batcher.leave(seq)
             await self._release(seq, keep=(*prompt, *tokens[:-1]) if final else None)
@@ -509,6 +513,7 @@ class Coordinator(StageOps, LinkReader, PromptSender):
     def install(self, links: list[StageLink], plan: tuple[LayerRange, ...] | None) -> None:
         """Serve on a new pipeline (after a recovery): its links and the plan they hold."""
         self._links, self.plan, self._broken = links, plan, None
+        self.meter = SpeedMeter(len(links))
         if self._batcher is not None:  # the old groups' caches went with the old pipeline
             size = self._micro_batch_size
             self._batcher = MicroBatcher(size, self._send_group, len(links))

@@ -186,7 +186,8 @@ async def start_pipeline_coordinator(
         else "single-sequence passes" if setup.micro_batch_size == 1
         else f"auto micro-batches (one per stage, {stages} stages, streams spread evenly)",
         f"chunks of {setup.prefill_chunk} tokens" if setup.prefill_chunk
-        else "chunks chosen per prompt (about 4 per stage; 16 tokens while others decode)",
+        else "chunks sized per prompt (about 4 per stage; while others decode, what one decode"
+        " pass costs, from the measured speed: 16 tokens until measured)",
     )  # fmt: skip
     try:
         await coordinator.start(warmup=False)

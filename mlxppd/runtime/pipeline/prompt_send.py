@@ -10,8 +10,10 @@ import numpy as np
 
 from mlxppd.core.prefill_chunks import prefill_chunk_size
 from mlxppd.core.prompt_cache import Reuse
+from mlxppd.runtime.observability.trace import TraceBuffer
 from mlxppd.runtime.pipeline.backend import SamplingParams
 from mlxppd.runtime.pipeline.shared_prefill import SharedPrefill
+from mlxppd.runtime.pipeline.speed_meter import SpeedMeter
 from mlxppd.runtime.pipeline.stage_link import StageLink
 from mlxppd.wire.codec import MessageKind
 from mlxppd.wire.errors import ChannelClosedError
@@ -23,7 +25,10 @@ class PromptSender:
     _links: list[StageLink]
     #: --prefill-chunk-size (None: chosen per prompt, core/prefill_chunks.py)
     prefill_chunk: int | None = None
+    #: the pipeline's measured prefill and decode speed, which sizes the chunks
+    meter: SpeedMeter
     active: int
+    trace: TraceBuffer
 
     if TYPE_CHECKING:  # provided by Coordinator: how a link's failure is handled
 
@@ -45,8 +50,14 @@ class PromptSender:
             head = prompt[reuse.tokens : -1]  # the stages copy the rest from the entry
         if share is None or seq == share.leader_seq:
             forks = share.followers if share is not None else None
+            others = self.active > 1
+            self.meter.prefill_began(seq, len(head) + 1, others)
             size = prefill_chunk_size(
-                len(head), len(self._links), self.active > 1, self.prefill_chunk
+                len(head), len(self._links), others, self.prefill_chunk, self.meter.speed
+            )
+            rows = self.meter.speed.pass_rows(len(self._links))
+            self.trace.instant(
+                "prefill_chunks", 0, seq=seq, tokens=len(head), size=size, pass_rows=rows
             )
             try:
                 for i in range(0, len(head), size):
