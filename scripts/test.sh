@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Set up .venv (scripts/setup.sh), then run every check CI runs: ruff, mypy, the import-layer
 # contract, the schema freshness check and the pytest suite. Extra arguments go to pytest.
-# Some tests need system packages: promtool (Debian: prometheus) checks the alert rules, and
-# libsystemd-dev + pkg-config (and a C compiler) build systemd-python, the mlxpp[systemd] extra.
+# Some tests need system packages: promtool (Debian: prometheus) checks the alert rules,
+# libsystemd-dev + pkg-config (and a C compiler) build systemd-python, the mlxpp[systemd] extra,
+# and chromium runs the web console's tests.
 # As root on Debian this installs what is missing; elsewhere it says what to install and those
 # tests skip, naming the package.
 set -euo pipefail
@@ -13,6 +14,9 @@ command -v promtool >/dev/null || missing+=(prometheus)
 command -v pkg-config >/dev/null || missing+=(pkg-config)
 pkg-config --exists libsystemd 2>/dev/null || missing+=(libsystemd-dev)
 command -v cc >/dev/null || missing+=(gcc)
+# The web console's tests drive a real headless Chromium; DejaVu gives its screenshots text.
+command -v chromium >/dev/null || missing+=(chromium)
+[ -e /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] || missing+=(fonts-dejavu-core)
 if [ "${#missing[@]}" -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "test: installing ${missing[*]} with apt-get" >&2
@@ -21,6 +25,7 @@ if [ "${#missing[@]}" -gt 0 ]; then
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
       "${missing[@]}" >/dev/null
     promtool --version >/dev/null  # the tests run it; fail here rather than skip there
+    command -v chromium >/dev/null
   else
     echo "test: missing ${missing[*]} (Debian: sudo apt-get install ${missing[*]});" \
          "the tests that need them will skip" >&2

@@ -44,6 +44,7 @@ SLOW_MODULES = (
     "test_openapi.py",
     "test_http_attacks.py",
     "test_prepare_cluster.py",
+    "test_console.py",
 )
 
 

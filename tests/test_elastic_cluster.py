@@ -407,36 +407,3 @@ def test_a_restarted_stage_brings_the_cluster_back_to_the_files_ranges(
     )
     assert "moved the stages back to the planned layers" in cluster.agents[0].log()
     assert answer_of(cluster.chat(QUESTIONS[3])) == reference[(QUESTIONS[3], 16)]
-
-
-def test_serve_local_cluster_with_enable_elastic_pp(
-    tmp_path: Path, model_cache: Path, reference: dict[tuple[str, int], str]
-) -> None:
-    """The elastic flags on `mlxppd serve` (docs/elastic.md): the coordinator of a --pp-size
-    cluster repartitions when asked through its admin API (signed with the local cluster's
-    fresh secret)."""
-    import re
-
-    from tests.cluster_support import start_cluster
-
-    env = {**os.environ, "MLXPP_MODEL_CACHE": str(model_cache), "HF_HUB_OFFLINE": "1"}
-    running = start_cluster(
-        tmp_path, env, "--pp-size", "2", "--enable-elastic-pp", "--elastic-pp-drain-timeout", "30"
-    )
-    try:
-        found = re.search(r"--cluster-secret-file (\S+?)`", running.log())
-        assert found, running.log()
-        target = ["--url", running.url, "--cluster-secret-file", found.group(1)]
-        done = subprocess.run(
-            [str(VENV_BIN / "mlxppctl"), "repartition", "--pp-layers", "0-19,20-29", "--wait",
-             *target],
-            capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
-        assert done.returncode == 0, done.stdout + done.stderr
-        assert "layers in force 0-19,20-29" in done.stdout
-        body = {"messages": [{"role": "user", "content": QUESTIONS[2]}], "max_tokens": 16,
-                "temperature": 0}  # fmt: skip
-        response = httpx.post(f"{running.url}/v1/chat/completions", json=body, timeout=300)
-        assert answer_of(response) == reference[(QUESTIONS[2], 16)]
-    finally:
-        assert running.stop() == 0, running.log()[-3000:]

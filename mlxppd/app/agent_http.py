@@ -13,7 +13,10 @@ from aiohttp import web
 from mlxppd.app.api_app import api_app
 from mlxppd.app.http_site import http_url, start_site
 from mlxppd.core.agent.plan import CoordinatorTarget
+from mlxppd.core.cpu_weights import float32_config
+from mlxppd.core.profile.model import profile_from_config
 from mlxppd.http.admin_api import signed_admin_api
+from mlxppd.http.console_feed import ConsoleFeed
 from mlxppd.runtime.agent.loop import Agent
 from mlxppd.runtime.agent.status import agent_admin
 from mlxppd.runtime.pipeline.gated_backend import GatedBackend
@@ -37,19 +40,30 @@ async def start_agent_http(
     assert context is not None
     metrics = agent.metrics
     # The key is derived afresh from the secret in force; the name follows reloads.
+    controller = agent_admin(agent)
     admin = signed_admin_api(
-        agent_admin(agent),
+        controller,
         context.secret.key_bytes(),
         metrics,
         lambda: agent.context.cluster.cluster.name if agent.context else "",
     )
+    runtime = agent.runtime
+    config = context.model_config
+    console = ConsoleFeed(
+        controller, metrics, profile_from_config(config) if config else None, runtime.timeline,
+        float32_profile=profile_from_config(float32_config(config)) if config else None,
+    )  # fmt: skip
     app = api_app(
         backend,
+        console,
         api_key=target.api_key,
-        metrics=metrics if context.host.metrics else None,
+        metrics=metrics,
+        metrics_route=context.host.metrics,
         admin=admin,
     )
     runner, port = await start_site(app, target.http_host, target.http_port)
     url = http_url(target.http_host, port)
     log.info("coordinator: OpenAI API on %s/v1, admin API on %s/admin/v1", url, url)
+    log.info("coordinator: web console on %s/console", url)
+    runtime.timeline.mark(f"HTTP API and console listening on {url}")
     return AgentHttp(runner, url)

@@ -1,7 +1,8 @@
 """The coordinator's whole HTTP API as one application: the OpenAI API and the admin API
 (``http/openai_api.py``), the Anthropic Messages API (``http/anthropic_api.py``) on the same
-backend, state and limits, and the OpenAPI document of them all (``http/openapi.py``) at
-``/openapi.json``. ``mlxppd serve`` and the agent's coordinator both build it here."""
+backend, state and limits, the OpenAPI document of them all (``http/openapi.py``) at
+``/openapi.json``, and a coordinator's web console (``http/console.py``) at ``/console``.
+``mlxppd serve`` and the agent's coordinator both build it here."""
 
 from __future__ import annotations
 
@@ -10,14 +11,21 @@ from typing import Any
 from aiohttp import web
 
 from mlxppd.http.anthropic_api import add_anthropic_routes
+from mlxppd.http.console import add_console_routes
+from mlxppd.http.console_feed import ConsoleFeed
 from mlxppd.http.openai_api import create_app
 from mlxppd.http.openapi import add_openapi_route
 from mlxppd.runtime.pipeline.backend import GenerationBackend
 
 
-def api_app(backend: GenerationBackend, **options: Any) -> web.Application:
-    """``create_app(backend, **options)`` with every API this server speaks."""
+def api_app(
+    backend: GenerationBackend, console: ConsoleFeed | None = None, **options: Any
+) -> web.Application:
+    """``create_app(backend, **options)`` with every API this server speaks, and the web
+    console (``http/console.py``) when a coordinator gives its feed."""
     app = create_app(backend, **options)
     add_anthropic_routes(app)
+    if console is not None:
+        add_console_routes(app, console)
     add_openapi_route(app)  # the document of these routes, built from their models
     return app

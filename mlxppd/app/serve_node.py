@@ -10,6 +10,7 @@ import asyncio
 import logging
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +26,12 @@ from mlxppd.core.profile.model import profile_from_config, read_model_config
 from mlxppd.engine.families import family_for
 from mlxppd.engine.model_files import resolve_model_dir
 from mlxppd.http.admin_api import AdminApi, signed_admin_api
+from mlxppd.http.console_feed import ConsoleFeed
 from mlxppd.http.openai_api import create_metrics_app
 from mlxppd.runtime.agent.status import CoordinatorAdmin, CoordinatorView
 from mlxppd.runtime.local_cluster import LocalCluster
 from mlxppd.runtime.observability.metrics import PipelineMetrics
+from mlxppd.runtime.observability.timeline import StartTimeline
 from mlxppd.runtime.pipeline.backend import GenerationBackend
 from mlxppd.runtime.pipeline.elastic_driver import ElasticDriver
 from mlxppd.runtime.pipeline.gated_backend import GatedBackend
@@ -54,18 +57,25 @@ async def serve_http(
     on_ready: Callable[[str], None] | None = None,
     stop: asyncio.Event | None = None,
     admin: AdminApi | None = None,
+    console: ConsoleFeed | None = None,
 ) -> None:
     metrics: PipelineMetrics | None = getattr(backend, "metrics", None)
     app = api_app(
         backend,
+        console,
         api_key=options.api_key,
         alias=options.alias,
-        metrics=metrics if options.metrics else None,
+        metrics=metrics,
+        metrics_route=options.metrics,
         admin=admin,
     )
     runner, bound = await start_site(app, options.host, options.port)
     url = http_url(options.host, bound)
     log.info("coordinator: OpenAI API on %s/v1", url)
+    if console is not None:
+        log.info("coordinator: web console on %s/console", url)
+        if console.timeline is not None:
+            console.timeline.mark(f"HTTP API and console listening on {url}")
     runners = [runner]
     if metrics is not None and options.metrics_port is not None:
         # A separate listener, e.g. bound where only the Prometheus server reaches it.
@@ -90,6 +100,8 @@ async def run_coordinator_node(options: NodeOptions) -> int:
     elastic repartition) and, when enabled, the elastic driver with its pressure watch."""
     cluster, secret = load_node_cluster(options)
     policy = policy_with(cluster.cluster.elastic, dict(options.elastic))
+    if options.timeline is None:
+        options = replace(options, timeline=StartTimeline())
     coordinator = await start_coordinator(options)
     gate = GatedBackend(coordinator.tokenizer, coordinator.model_id)
     gate.coordinator = coordinator
@@ -117,9 +129,14 @@ async def run_coordinator_node(options: NodeOptions) -> int:
         last_error=lambda: coordinator.health().detail,
         warnings=lambda: warnings,
     )
+    controller = CoordinatorAdmin(view)
     admin = signed_admin_api(
-        CoordinatorAdmin(view), secret.key_bytes(), coordinator.metrics, cluster.cluster.name
+        controller, secret.key_bytes(), coordinator.metrics, cluster.cluster.name
     )
+    console = ConsoleFeed(
+        controller, coordinator.metrics, driver.profile, options.timeline,
+        float32_profile=driver.float32_profile,
+    )  # fmt: skip
     if policy.enabled:
         log.info(
             "elastic repartitioning on: `mlxppctl repartition --url http://%s "
@@ -131,7 +148,7 @@ async def run_coordinator_node(options: NodeOptions) -> int:
         if options.once_prompt is not None:
             await ask_once(gate, options, admin=admin)
             return 0
-        await serve_http(gate, options, admin=admin)
+        await serve_http(gate, options, admin=admin, console=console)
         return 0
     finally:
         stop_watch.set()

@@ -309,8 +309,7 @@ class _EventWriter(SseWriter):
         return cls((await cls.open(request, headers)).response)
 
     async def send(self, payload: dict[str, Any]) -> None:
-        head = f"event: {payload['type']}\ndata: ".encode()
-        await self._write(head + orjson.dumps(payload) + b"\n\n")
+        await self.named(payload["type"], payload)
 
 
 # --- handlers ---

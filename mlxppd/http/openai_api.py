@@ -57,7 +57,7 @@ DEFAULT_MAX_IN_FLIGHT = 256
 #: seconds a client has to send its whole body once the headers are in
 DEFAULT_BODY_TIMEOUT_S = 30.0
 #: paths under the api key when one is set (/health answers everyone, in one word)
-_KEYED_PREFIXES = ("/v1/", "/metrics")
+_KEYED_PREFIXES = ("/v1/", "/metrics", "/console/v1/")
 #: tokenizers report ~1e30 when they do not know the context; above this we treat it as unknown
 _CONTEXT_SANITY = 10_000_000
 FALLBACK_MAX_PROMPT_TOKENS = 32_768
@@ -129,6 +129,7 @@ def create_app(
     admin: AdminApi | None = None,
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+    metrics_route: bool = True,
 ) -> web.Application:
     """The OpenAI API app.
 
@@ -138,7 +139,8 @@ def create_app(
     ``max_context_tokens``: prompt + max_tokens limit (default: the tokenizer's
     ``model_max_length`` when it is a real number, else prompts are capped at 32768 tokens).
     ``default_max_tokens``: chat completions without max_tokens (completions default to 16).
-    ``metrics``: count requests into it and serve ``GET /metrics`` from its registry.
+    ``metrics``: count requests into it and (``metrics_route``) serve ``GET /metrics`` from
+    its registry.
     ``admin``: also serve the signed admin API under /admin/v1 (see admin_api.py); the api key
     does not apply there, and an admin signature opens nothing under /v1.
     ``max_in_flight``: requests handled at once (503 with Retry-After beyond).
@@ -165,7 +167,7 @@ def create_app(
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/v1/models/{model:.+}", _model)
     app.router.add_get("/health", _health)
-    if metrics is not None:
+    if metrics is not None and metrics_route:
         app.router.add_get("/metrics", metrics_handler(metrics))
     if admin is not None:
         add_admin_routes(

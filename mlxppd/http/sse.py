@@ -42,6 +42,14 @@ class SseWriter:
     async def event(self, payload: Any) -> None:
         await self._write(_encode(payload))
 
+    async def named(self, name: str, payload: Any) -> None:
+        """An event with a name (``event: name``), as EventSource listeners select them."""
+        await self._write(b"event: " + name.encode() + b"\n" + _encode(payload))
+
+    async def comment(self, text: str) -> None:
+        """A comment line: keeps the stream alive, seen by no listener."""
+        await self._write(b": " + text.encode() + b"\n\n")
+
     async def done(self) -> None:
         await self._write(b"data: [DONE]\n\n")
         await self.close()

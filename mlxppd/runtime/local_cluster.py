@@ -45,6 +45,7 @@ from mlxppd.core.errors import TemporaryError
 from mlxppd.core.layer_ranges import LayerRange, format_pp_layers
 from mlxppd.core.restart_policy import RestartPolicy
 from mlxppd.engine.stage_threads import SOLO_ENV
+from mlxppd.runtime.observability.timeline import StartTimeline
 from mlxppd.runtime.serve import NodeOptions
 from mlxppd.wire.secret import load_cluster_secret
 from mlxppd.wire.tasks import spawn, stop_tasks
@@ -197,6 +198,8 @@ class LocalCluster:
         # When each stage's current process listened (None: not yet), for the restart policy.
         self._ready_at: list[float | None] = [None for _ in self.ranges]
         self._stopping = False
+        #: what became ready when (the web console shows it)
+        self.timeline = StartTimeline()
 
     def _stage_command(self, index: int, ready: Path) -> list[str]:
         cmd = [sys.executable, "-m", "mlxppd.cli.mlxppd_main", "serve"]
@@ -231,6 +234,7 @@ class LocalCluster:
         self._ready_at[index] = time.monotonic()
         address = self._ready_file(index).read_text().strip()
         print(f"stage {index} listening on {address}", file=sys.stderr)
+        self.timeline.mark(f"stage {index} listening on {address}")
 
     def start_stages(self) -> None:
         """Start every stage in ascending order, each listening before the next starts."""
@@ -344,4 +348,5 @@ class LocalCluster:
             cluster_file=self.cluster_file,
             node_id="coordinator",
             secret_file=str(self.secret_file),
+            timeline=self.timeline,
         )

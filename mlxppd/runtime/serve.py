@@ -33,6 +33,7 @@ from mlxppd.engine.embedded import default_cache_dir
 from mlxppd.engine.model_files import resolve_model_dir
 from mlxppd.engine.tokenizer import load_tokenizer
 from mlxppd.runtime.observability.metrics import PipelineMetrics
+from mlxppd.runtime.observability.timeline import StartTimeline
 from mlxppd.runtime.pipeline.coordinator import Coordinator
 from mlxppd.runtime.pipeline.node_start import (
     CoordinatorSetup,
@@ -69,8 +70,9 @@ class NodeOptions:
     once_max_tokens: int = 64
     micro_batch_size: int = 0  # 0: auto, one balanced micro-batch per stage
     prompt_cache_entries: int = 8
-    prefill_chunk_size: int | None = None  # None: chosen per prompt (core/prefill_chunks.py)
     """prompt prefixes the stages keep for reuse (0: none)"""
+    prefill_chunk_size: int | None = None
+    """prompt tokens per prefill pass (None: sized per prompt, core/prefill_chunks.py)"""
     metrics: bool = False
     metrics_port: int | None = None
     metrics_ready_file: Path | None = None
@@ -83,6 +85,9 @@ class NodeOptions:
     """the --enable-elastic-pp / --elastic-pp-* flags given, as (policy key, value) pairs"""
     verbose: bool = False
     """--verbose: the coordinator logs the partition quality report once its stages load"""
+    timeline: StartTimeline | None = field(default=None, repr=False, compare=False)
+    """where the start's moments are marked (the local cluster's, with its stages'); None: a
+    new one"""
 
 
 def stop_event() -> asyncio.Event:
@@ -215,14 +220,13 @@ async def start_coordinator(options: NodeOptions) -> Coordinator:
         parallel=options.parallel,
         warmup=options.warmup,
         trace_path=options.trace_path,
+        timeline=options.timeline,
     )
-    wants_metrics = options.metrics or options.metrics_port is not None
+    # Always measured: the web console charts them; /metrics serves them only when asked.
     coordinator = await start_pipeline_coordinator(
-        setup,
-        load_tokenizer(model_dir),
-        options.alias or model_dir.name,
-        PipelineMetrics(CollectorRegistry()) if wants_metrics else None,
-    )
+        setup, load_tokenizer(model_dir), options.alias or model_dir.name,
+        PipelineMetrics(CollectorRegistry()),
+    )  # fmt: skip
     if options.verbose:
         await log_partition_report(coordinator, plan, model_config)
     return coordinator

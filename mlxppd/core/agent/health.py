@@ -36,6 +36,8 @@ def _unhealthy(coordinator: Mapping[str, Any], stages: list[Mapping[str, Any]]) 
     if not stages:
         return "the coordinator knows no pipeline stages"
     for stage in stages:
+        if stage.get("process_alive") is None:
+            return f"{_stage_name(stage)} did not answer"
         if stage.get("process_alive") is not True:
             return f"{_stage_name(stage)} is not running"
         if stage.get("transport_connected") is not True:

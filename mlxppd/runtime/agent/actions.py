@@ -47,6 +47,7 @@ from mlxppd.engine.prepared_copy import ModelReceiver
 from mlxppd.runtime.agent.model_place import ModelPlace
 from mlxppd.runtime.agent.prepare_job import PrepareJob, Preparer
 from mlxppd.runtime.observability.metrics import PipelineMetrics
+from mlxppd.runtime.observability.timeline import StartTimeline
 from mlxppd.runtime.pipeline.coordinator import Coordinator
 from mlxppd.runtime.pipeline.elastic_driver import ElasticDriver
 from mlxppd.runtime.pipeline.gated_backend import GatedBackend
@@ -122,6 +123,8 @@ class NodeRuntime:
         self.http: Any = None  # an object with ``async close()`` (the HTTP site)
         self.stage: StageTarget | None = None
         self.coordinator: CoordinatorTarget | None = None
+        #: the coordinator's start as it happened (the web console shows it)
+        self.timeline = StartTimeline()
         self.policy: ElasticPolicy | None = None
         self.generation: str | None = None
         #: timings and tensor counts of the last stage reload (status and tests read them)
@@ -339,6 +342,7 @@ class NodeRuntime:
             model_config=ctx.model_config,
             model_dir=ctx.model_dir,
             digest_cache=ctx.place.cache_dir,
+            timeline=self.timeline,
         )
         try:
             coordinator = await start_pipeline_coordinator(

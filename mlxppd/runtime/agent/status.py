@@ -83,6 +83,12 @@ class CoordinatorAdmin:
             | {"identity": _identity(checks.get(s.node_id))}
             for i, s in enumerate(nodes)
         ]
+        if live is None or not live.health().ready:
+            # Down or recovering, the stages were not asked (or their links were dropped for
+            # a new pipeline): only those whose link failed are known to be down.
+            lost = live.lost_nodes if live is not None else set()
+            for card in stages:
+                card["process_alive"] = False if card["node_id"] in lost else None
         standbys = [_standby_card(s, reports.get(s.node_id), live) for s in view.standbys()]
         coordinator = {
             "node_id": view.node_id(),
@@ -92,6 +98,7 @@ class CoordinatorAdmin:
             "admission": gate.admission if gate is not None else "draining",
             "in_flight": gate.in_flight if gate is not None else 0,
             "waiting": live.waiting if live is not None else 0,
+            "transport": live.transport.backend if live is not None else None,
             "config_generation": view.generation(),
             "last_reload_error": view.last_reload_error(),
             "elastic_state": str(driver.state) if driver is not None else "idle",

@@ -36,7 +36,6 @@ from mlxppd.runtime.observability.metrics import PipelineMetrics
 from mlxppd.runtime.observability.trace import TraceBuffer, TraceFile
 from mlxppd.runtime.pipeline.backend import (
     BackendUnavailable,
-    Health,
     SamplingParams,
     SequenceFailed,
     TokenEvent,
@@ -110,6 +109,8 @@ class Coordinator(StageOps, LinkReader, PromptSender):
         self._model_id = model_id
         self._connect_timeout_s = connect_timeout_s
         self._links: list[StageLink] = []
+        #: stages whose link failed under the pipeline serving now (their cards show it)
+        self.lost_nodes: set[str] = set()
         self._queues: dict[str, asyncio.Queue[TokenEvent | Exception]] = {}
         self._seq = itertools.count()
         self._ready = False
@@ -237,21 +238,6 @@ class Coordinator(StageOps, LinkReader, PromptSender):
     @property
     def tokenizer(self) -> Any:
         return self._tokenizer
-
-    def health(self) -> Health:
-        stages = tuple(
-            {"stage": i, "node": link.node.id, "address": link.node.address, "alive": link.alive}
-            for i, link in enumerate(self._links)
-        )
-        if self._broken is not None:
-            return Health(ready=False, detail=self._broken, stages=stages)
-        if not self._recovered.is_set():
-            return Health(ready=False, detail=f"recovering: {self._recovering}", stages=stages)
-        if not self._ready:
-            return Health(
-                ready=False, detail="starting: connecting and warming stages", stages=stages
-            )
-        return Health(ready=True, detail="all stages connected", stages=stages)
 
     @property
     def connected(self) -> bool:
@@ -457,6 +443,7 @@ class Coordinator(StageOps, LinkReader, PromptSender):
         if not link.alive:
             return
         link.alive = False
+        self.lost_nodes.add(link.node.id)
         link.control.fail(BackendUnavailable(reason))
         if link not in self._links or not self._recovered.is_set():
             return  # a link of a recovery in progress, or one it is replacing
@@ -513,6 +500,7 @@ class Coordinator(StageOps, LinkReader, PromptSender):
     def install(self, links: list[StageLink], plan: tuple[LayerRange, ...] | None) -> None:
         """Serve on a new pipeline (after a recovery): its links and the plan they hold."""
         self._links, self.plan, self._broken = links, plan, None
+        self.lost_nodes = set()
         self.meter = SpeedMeter(len(links))
         if self._batcher is not None:  # the old groups' caches went with the old pipeline
             size = self._micro_batch_size

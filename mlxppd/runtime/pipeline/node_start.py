@@ -25,6 +25,7 @@ from mlxppd.engine.prepared_copy import ModelReceiver
 from mlxppd.engine.stage_runner import StageRunner
 from mlxppd.engine.tokenizer import load_tokenizer
 from mlxppd.runtime.observability.metrics import PipelineMetrics
+from mlxppd.runtime.observability.timeline import StartTimeline
 from mlxppd.runtime.pipeline.coordinator import Coordinator
 from mlxppd.runtime.pipeline.failover import FailoverSettings, survivors_replan
 from mlxppd.runtime.pipeline.identity_check import IdentityReference
@@ -144,6 +145,8 @@ class CoordinatorSetup:
     """prompt prefixes the stages keep for reuse (0: none)"""
     prefill_chunk: int | None = None
     """prompt tokens per prefill pass (None: chosen per prompt, core/prefill_chunks.py)"""
+    timeline: StartTimeline | None = None
+    """where the connection, identity check and warm-up are marked as they happen"""
 
 
 async def start_pipeline_coordinator(
@@ -189,13 +192,19 @@ async def start_pipeline_coordinator(
         else "chunks sized per prompt (about 4 per stage; while others decode, what one decode"
         " pass costs, from the measured speed: 16 tokens until measured)",
     )  # fmt: skip
+    mark = setup.timeline.mark if setup.timeline is not None else (lambda _what: None)
+    mark(f"coordinator connecting to {stages} stages")
     try:
         await coordinator.start(warmup=False)
+        nodes = ", ".join(n.id for n in coordinator.chain_nodes())
+        checked = " and checked what each serves" if coordinator.identity is not None else ""
+        mark(f"coordinator connected to every stage ({nodes}){checked}")
         if setup.align and await coordinator.align_stages():
             # The file's ranges win over an earlier elastic repartition's.
             log.info("coordinator: moved the stages back to the planned layers")
         if setup.warmup:
             await coordinator.warm()
+            mark("warm: a 2-token request went through every stage")
     except BaseException:
         await coordinator.close()
         raise

@@ -40,6 +40,7 @@ from mlxppd.runtime.pipeline.backend import (
     AdmissionClosed,
     AdmissionRejected,
     BackendUnavailable,
+    Health,
     RequestRefused,
     SamplingParams,
 )
@@ -84,6 +85,9 @@ class StageOps:
     identity: IdentityReference | None
     identity_checks: list[IdentityCheck]
     prompts: PromptIndex | None
+    _ready: bool
+    _recovered: asyncio.Event
+    _recovering: str
 
     if TYPE_CHECKING:  # provided by Coordinator: how a link's failure is handled
 
@@ -203,6 +207,21 @@ class StageOps:
                 *(self._request(link, command, ReassignReply, timeout_s) for link in self._links)
             )
         )
+
+    def health(self) -> Health:
+        stages = tuple(
+            {"stage": i, "node": link.node.id, "address": link.node.address, "alive": link.alive}
+            for i, link in enumerate(self._links)
+        )
+        if self._broken is not None:
+            return Health(ready=False, detail=self._broken, stages=stages)
+        if not self._recovered.is_set():
+            return Health(ready=False, detail=f"recovering: {self._recovering}", stages=stages)
+        if not self._ready:
+            return Health(
+                ready=False, detail="starting: connecting and warming stages", stages=stages
+            )
+        return Health(ready=True, detail="all stages connected", stages=stages)
 
     async def stage_reports(self) -> dict[str, StageReport | None]:
         """Each connected stage's report by node id; None for a stage that did not answer."""
