@@ -340,7 +340,9 @@ def test_a_repartition_from_the_page_completes_and_the_cards_show_it(
     assert console.chat() == reference  # the new split answers as mlx-lm does
 
 
-def test_a_killed_stage_turns_the_badge_unhealthy_and_its_card_red(console: Console) -> None:
+def test_a_killed_stage_turns_the_badge_unhealthy_and_its_card_red_until_recovered(
+    console: Console,
+) -> None:
     page = console.page()
     wait_health(page, "healthy")
     pids = dict(re.findall(r"starting stage (\d+)/\d+ \(pid (\d+)\)", console.cluster.log()))
@@ -358,6 +360,11 @@ def test_a_killed_stage_turns_the_badge_unhealthy_and_its_card_red(console: Cons
     SHOTS.mkdir(parents=True, exist_ok=True)
     (SHOTS / "kill-to-red.json").write_text(json.dumps({"seconds": round(seconds, 2)}) + "\n")
     assert "bad" not in (page.get_attribute("[data-testid=stage-card-0]", "class") or "")
+    # The coordinator recovers (failover is on by default) and the history says how.
+    page.wait_for_selector("[data-testid=history] [data-kind=failover]", timeout=180_000)
+    wait_health(page, "healthy", timeout_ms=180_000)
+    shoot(page, "after-failover-desktop")
+    assert "Lost stage 1 (stage-1)" in page.locator("[data-kind=failover]").first.inner_text()
     assert page.errors == []
 
 
