@@ -1,5 +1,5 @@
 """Real stage workers on loopback and the real coordinator, in this process: the pipeline
-the in-process tests drive (two stages of a tiny checkpoint, layers 0-2 and 3-5)."""
+the in-process tests drive (two stages; of a tiny checkpoint, layers 0-2 and 3-5)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ from tests.test_sequence_isolation import CLUSTER_TOML
 from tests.wire_support import CLUSTER, SECRET
 
 SPLIT = (StageSpec(0, 2, 0, 3), StageSpec(1, 2, 3, 6))
-PLAN = (LayerRange(0, 3), LayerRange(3, 6))
 
 
 @asynccontextmanager
@@ -37,8 +36,9 @@ async def pipeline(
         cluster = parse_cluster_config(
             CLUSTER_TOML.format(name=CLUSTER, port0=ports[0], port1=ports[1]), "test.toml"
         )
+        plan = tuple(LayerRange(w.spec.start, w.spec.end) for w in workers)
         base = CoordinatorSetup(
-            cluster=cluster, node_id="coordinator", secret=SECRET, transport="tcp", plan=PLAN,
+            cluster=cluster, node_id="coordinator", secret=SECRET, transport="tcp", plan=plan,
             micro_batch_size=1, parallel=4, warmup=False, align=False,
         )  # fmt: skip
         if model is not None:

@@ -144,7 +144,8 @@ def test_the_status_document_lists_standbys_idle_and_adopted() -> None:
              SimpleNamespace(id="spare-c", host="10.0.0.9", port=1)]  # fmt: skip
     live = SimpleNamespace(
         connected=True, waiting=0, stage_reports=stage_reports, link_alive=reports.__contains__,
-        chain_nodes=lambda: chain, failovers=[], identity_checks=[],
+        chain_nodes=lambda: chain, failovers=[], identity_checks=[], lost_nodes=set(),
+        health=lambda: SimpleNamespace(ready=True), transport=SimpleNamespace(backend="tcp"),
     )  # fmt: skip
     gate: Any = SimpleNamespace(coordinator=live, admission="open", in_flight=0)
     view = CoordinatorView(
