@@ -45,6 +45,7 @@ SLOW_MODULES = (
     "test_http_attacks.py",
     "test_prepare_cluster.py",
     "test_console.py",
+    "test_tensor_parallel.py",
 )
 
 

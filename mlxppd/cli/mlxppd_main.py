@@ -37,7 +37,8 @@ def _generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         ),
         epilog=(
             'example: mlxppd generate --pp-size 2 --prompt "What is the capital of France?"\n'
-            "         mlxppd generate --pp-layers 0-0,1-28,29-29 --max-tokens 64 --json -p Hi"
+            "         mlxppd generate --pp-layers 0-0,1-28,29-29 --max-tokens 64 --json -p Hi\n"
+            "         mlxppd generate --pp-size 2 --tp-size 3 -p Hi"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -54,6 +55,13 @@ def _generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="number of stages; layers are balanced by parameter bytes (auto partitioner)",
     )
     split.add_argument("--pp-layers", help='inclusive layer range per stage, e.g. "0-14,15-29"')
+    p.add_argument(
+        "--tp-size",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks per stage (default 1): T processes on this host, each "
+        "holding its shard of every stage (mlx-lm's shard()), joined by MLX's ring backend",
+    )
     p.add_argument(
         "--stage-memory",
         metavar="SIZES",
@@ -101,8 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    import os
+
     from mlxppd.core.generate_settings import GenerateSettings
-    from mlxppd.runtime.generate import run_generate
+    from mlxppd.runtime.generate import check_tensor_parallel, run_generate
+    from mlxppd.runtime.tensor_ranks import is_rank_process, launch_ranks
 
     settings = GenerateSettings(
         model=args.model,
@@ -113,12 +124,16 @@ def _generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         pp_size=args.pp_size,
         pp_layers=args.pp_layers,
+        tp_size=args.tp_size,
         stage_memory=args.stage_memory,
         cpu_weights=args.cpu_weights,
         verbose=args.verbose,
         chat_template=not args.no_chat_template,
         json_output=args.json,
     )
+    if settings.tp_size > 1 and not is_rank_process(os.environ):
+        check_tensor_parallel(settings)  # refused here, once, before any rank starts
+        return launch_ranks(sys.argv[1:], settings.tp_size, settings.seed)
     run_generate(settings)
     return 0
 

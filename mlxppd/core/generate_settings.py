@@ -24,6 +24,9 @@ class GenerateSettings(StrictModel):
     pp_layers: str | None = Field(
         None, description="inclusive layer ranges per stage, '0-14,15-29'"
     )
+    tp_size: int = Field(
+        1, ge=1, le=64, description="tensor-parallel ranks per stage (processes on this host)"
+    )
     stage_memory: str | None = Field(
         None, description="memory budget per stage, '64GiB,16GiB'; one size for all stages"
     )

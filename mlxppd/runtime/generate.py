@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -31,6 +32,7 @@ from mlxppd.engine.families import family_for, single_process_reason
 from mlxppd.engine.model_files import resolve_model_dir
 from mlxppd.engine.pipeline import InProcessPipeline, make_sampler
 from mlxppd.engine.stage import LoadedStage, load_stage
+from mlxppd.engine.tensor_parallel import init_group, shard_stage, tp_refusal
 from mlxppd.engine.tokenizer import encode_prompt, load_tokenizer
 
 Log = Callable[[str], None]
@@ -68,6 +70,14 @@ def plan_stages(
     if settings.stage_memory is not None:
         budgets = parse_stage_memory(settings.stage_memory, num_stages)
     return balance_layers(profile, num_stages, budgets)
+
+
+def check_tensor_parallel(settings: GenerateSettings) -> None:
+    """Refuse ``--tp-size`` for a model whose stages cannot be sharded that way."""
+    config = read_model_config(resolve_model_dir(settings.model))
+    refusal = tp_refusal(config, settings.tp_size)
+    if refusal is not None:
+        raise ConfigurationError(refusal, source="--tp-size")
 
 
 def load_pipeline(
@@ -120,7 +130,18 @@ def run_generate(
     say(f"weights: {why}; BLAS: {blas_in_use()}")
     for warning in plan.warnings:
         say(f"warning: {warning}")
+    group = None
+    if settings.tp_size > 1:
+        check_tensor_parallel(settings)
+        group = init_group(settings.tp_size)
+        say(f"tensor-parallel rank {group.rank()} of {group.size()} (MLX ring backend)")
     pipeline = load_pipeline(model_dir, stage_specs(plan.ranges), say, weights)
+    if group is not None:
+        pipeline = InProcessPipeline([shard_stage(s, group) for s in pipeline.stages])
+        shares = ", ".join(f"{s.parameter_bytes / 1e6:.1f}" for s in pipeline.stages)
+        say(f"rank {group.rank()} holds its shard of every stage: {shares} MB")
+        if group.rank() > 0:
+            out = open(os.devnull, "w")  # noqa: SIM115 (every rank computes; rank 0 prints)
     if settings.verbose:
         loaded = [stage.parameter_bytes for stage in pipeline.stages]
         say(quality_report(plan).with_actual(loaded).format())
