@@ -55,8 +55,7 @@ def test_a_long_prompt_in_chunks_answers_as_mlx_lm_does(
             async def tokens(params: SamplingParams) -> list[int]:
                 return [e.token async for e in coordinator.generate("t", prompt, params)]
 
-            alone = await tokens(greedy)
-            await tokens(greedy)  # a second run alone: its steps time decode too
+            alone = await tokens(greedy)  # alone: times prefill, then its steps time decode
             other = coordinator.generate("b", prompt[:20], SamplingParams(max_tokens=400))
             await anext(other)  # b decodes while the prompt prefills in small chunks
             shared = await tokens(greedy)

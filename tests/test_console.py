@@ -302,10 +302,10 @@ def test_a_repartition_from_the_page_completes_and_the_cards_show_it(
 ) -> None:
     page = console.page()
     phone = console.page(viewport=PHONE, is_mobile=True, has_touch=True)
-    # A long answer in flight (a story does not end in 200 tokens of this model), so the
+    # A long answer in flight (a story does not end in 120 tokens of this model), so the
     # drain, and the page's progress bar, last a while.
     answers: list[str] = []
-    talker = threading.Thread(target=lambda: answers.append(console.chat(STORY, max_tokens=200)))
+    talker = threading.Thread(target=lambda: answers.append(console.chat(STORY, max_tokens=120)))
     talker.start()
     deadline = time.monotonic() + 120
     while console.state()["status"]["coordinator"]["in_flight"] == 0:

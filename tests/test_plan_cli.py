@@ -189,3 +189,29 @@ def test_default_model_is_the_embedded_one(
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     assert [s["layer_range"] for s in doc["stages"]] == [[0, 15], [15, 30]]
+
+
+def test_tp_size_shows_what_one_rank_of_each_stage_holds(tmp_path: Path) -> None:
+    model = config_file(tmp_path, LLAMA_8B_4BIT)
+    whole = json.loads(mlxppctl("plan", "--model", str(model), "--pp-size", "2", "--json").stdout)
+    split = mlxppctl("plan", "--model", str(model), "--pp-size", "2", "--tp-size", "4", "--json")
+    document = json.loads(split.stdout)
+    assert document["tp_size"] == 4
+    for stage, rank in zip(document["stages"], document["rank_bytes"], strict=True):
+        first, last = stage["layer_range"]
+        blocks = sum(document["layer_bytes"][first:last])
+        # The blocks split over the 4 ranks; the embedding or head stays whole on each.
+        assert rank == -(-blocks // 4) + stage["estimated_memory_bytes"] - blocks
+    assert [s["layer_range"] for s in document["stages"]] == [
+        s["layer_range"] for s in whole["stages"]
+    ]
+    text = mlxppctl("plan", "--model", str(model), "--pp-size", "2", "--tp-size", "4").stdout
+    assert "tensor-parallel: 4 ranks per stage; each rank holds" in text
+
+
+def test_tp_size_refuses_heads_that_do_not_split(tmp_path: Path) -> None:
+    model = config_file(tmp_path, LLAMA_8B_4BIT)
+    line = one_line_error(
+        mlxppctl("plan", "--model", str(model), "--pp-size", "2", "--tp-size", "3")
+    )
+    assert "does not split over 3 tensor-parallel ranks" in line

@@ -3,9 +3,9 @@ processes joined by the ring backend over loopback.
 
 - Token parity: a 2-stage pipeline whose stages are each sharded over the ranks by mlx-lm's own
   ``shard()`` gives, greedy, exactly mlx-lm's own tensor-parallel run over the same ranks, on
-  tiny llama, qwen3 and deepseek_v3 fixtures (2 ranks) and the embedded model (3 ranks: its 9
-  attention heads and 3 KV heads split over 3, not 2), and ``mlxppd generate --pp-size 2
-  --tp-size 3`` prints those tokens.
+  tiny llama, qwen3 and deepseek_v3 fixtures (2 ranks); ``mlxppd generate --pp-size 2
+  --tp-size 3`` on the embedded model (its 9 heads split over 3, not 2) prints mlx-lm's greedy
+  tokens.
 - A model whose heads do not split, or whose family mlx-lm cannot shard, is refused with its
   sentence before any rank starts.
 """
@@ -26,6 +26,8 @@ from mlxppd.engine.tokenizer import encode_prompt, load_tokenizer
 from mlxppd.runtime.local_cluster import free_port
 from tests.agent_support import VENV_BIN
 from tests.family_cases import CASES
+from tests.reference_support import served_weights
+from tests.test_stage_parity import reference_tokens
 
 pytestmark = pytest.mark.slow
 
@@ -59,37 +61,39 @@ def ranks(tp: int, module_args: list[str], env: dict[str, str]) -> dict[str, Any
     return dict(json.loads(outs[0][0]))
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "deepseek_v3"])
 def test_sharded_stages_equal_mlx_lms_own_tensor_parallel_run(
-    tiny_model: Any, cli_env: dict[str, str], family: str
+    tiny_model: Any, cli_env: dict[str, str]
 ) -> None:
-    config, bits, _ = CASES[family]
-    if family == "deepseek_v3":
-        # Quantized in groups of 32: an expert 32 wide is one group, which no rank can halve.
-        config = {**config, "moe_intermediate_size": 64}
-    model = tiny_model(f"tp-{family}", config, bits)
+    """On tiny llama, qwen3 and deepseek_v3 (quantized) fixtures, 2 stages x 2 ranks."""
     prompt = [1, 17, 42, 99, 7, 150, 3, 64]
-    got = ranks(2, [str(model), "0-1,2-3", "2", "16", json.dumps(prompt)], cli_env)
-    assert len(got["theirs"]) == 16 and got["ours"] == got["theirs"]
+    for family in ("llama", "qwen3", "deepseek_v3"):
+        config, bits, _ = CASES[family]
+        if family == "deepseek_v3":
+            # Quantized in groups of 32: an expert 32 wide is one group no rank can halve.
+            config = {**config, "moe_intermediate_size": 64}
+        model = tiny_model(f"tp-{family}", config, bits)
+        got = ranks(2, [str(model), "0-1,2-3", "2", "16", json.dumps(prompt)], cli_env)
+        assert len(got["theirs"]) == 16 and got["ours"] == got["theirs"], family
 
 
-def test_the_embedded_model_over_2_stages_of_3_ranks(
+def test_generate_runs_the_embedded_model_over_2_stages_of_3_ranks(
     embedded_model_dir: Path, cli_env: dict[str, str]
 ) -> None:
+    """The command a user runs: the launcher starts the 3 ranks (the embedded model's 9 heads
+    and 3 KV heads split over 3, not 2), rank 0 prints; its greedy tokens are mlx-lm's."""
     tokenizer = load_tokenizer(embedded_model_dir)
     prompt = encode_prompt(tokenizer, QUESTION, chat_template=True)
-    args = [str(embedded_model_dir), "0-14,15-29", "3", "8", json.dumps(prompt), "theirs"]
-    theirs = ranks(3, args, cli_env)["theirs"]
-    assert len(theirs) == 8
-    # Ours from the command a user runs: the launcher starts the 3 ranks; rank 0 prints.
+    expected = reference_tokens(
+        embedded_model_dir, prompt, 6, weights=served_weights(embedded_model_dir)
+    )
     run = subprocess.run(
-        [str(VENV_BIN / "mlxppd"), "generate", "--pp-size", "2", "--tp-size", "3", "-n", "8",
+        [str(VENV_BIN / "mlxppd"), "generate", "--pp-size", "2", "--tp-size", "3", "-n", "6",
          "--json", "-p", QUESTION],
         env=cli_env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     printed = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    assert len(printed) == 1 and printed[0]["tokens"] == theirs
+    assert len(printed) == 1 and printed[0]["tokens"] == expected
     assert "tensor-parallel rank 0 of 3" in run.stderr
 
 

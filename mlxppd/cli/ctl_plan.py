@@ -21,6 +21,8 @@ from mlxppd.core.partition.plan import (
     plan_layers,
 )
 from mlxppd.core.partition.quality import format_plan
+from mlxppd.core.partition.sizes import format_bytes
+from mlxppd.core.partition.tensor_split import rank_bytes
 from mlxppd.core.profile.model import profile_from_config, read_model_config
 
 _EPILOG = """\
@@ -71,6 +73,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         metavar="{native,float32}",
         help="price the weights as the stages hold them: native (as stored, default) or "
         "float32 (a CPU host's fast path: quantized weights materialized in float32)",
+    )
+    p.add_argument(
+        "--tp-size",
+        type=int,
+        default=1,
+        metavar="T",
+        help="tensor-parallel ranks per stage: also show what one rank of each stage holds "
+        "(its blocks split over T by mlx-lm's shard(); the embedding and head whole), and "
+        "refuse a model that cannot be split that way",
     )
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.set_defaults(func=run)
@@ -129,8 +140,28 @@ def plan_for(args: argparse.Namespace, config: dict[str, Any]) -> PartitionPlan:
 def run(args: argparse.Namespace) -> int:
     config, label = _model_config(args.model)
     plan = plan_for(args, config)
+    tp = args.tp_size
+    if tp < 1:
+        raise ConfigurationError(f"{tp} ranks per stage; use 1 or more", source="--tp-size")
+    if tp > 1:
+        from mlxppd.engine.tensor_parallel import tp_refusal
+
+        refusal = tp_refusal(config, tp)
+        if refusal is not None:
+            raise ConfigurationError(refusal, source="--tp-size")
+    per_rank = rank_bytes(plan, tp)
     if args.json:
-        print(json.dumps(plan.to_json(), indent=2))
-    else:
-        print(format_plan(plan, label))
+        document = plan.to_json()
+        if tp > 1:
+            document |= {"tp_size": tp, "rank_bytes": list(per_rank)}
+        print(json.dumps(document, indent=2))
+        return 0
+    print(format_plan(plan, label))
+    if tp > 1:
+        print(f"\ntensor-parallel: {tp} ranks per stage; each rank holds")
+        for stage, nbytes in zip(plan.stages, per_rank, strict=True):
+            print(
+                f"  stage {stage.stage_index}: {format_bytes(nbytes)} "
+                f"(of {format_bytes(stage.estimated_memory_bytes)})"
+            )
     return 0
