@@ -30,6 +30,7 @@ import httpx
 import pytest
 
 from mlxppd.wire.admin_auth import AdminAuthError, AdminVerifier
+from mlxppd.wire.secret import write_new_secret
 from tests.agent_support import VENV_BIN
 from tests.cluster_support import RunningCluster, kill, start_cluster
 
@@ -366,6 +367,26 @@ def test_a_killed_stage_turns_the_badge_unhealthy_and_its_card_red_until_recover
     shoot(page, "after-failover-desktop")
     assert "Lost stage 1 (stage-1)" in page.locator("[data-kind=failover]").first.inner_text()
     assert page.errors == []
+
+
+def test_mlxppctl_signs_for_the_local_cluster_with_the_given_secret_file(
+    console: Console, tmp_path: Path
+) -> None:
+    """``serve --pp-size 2 --cluster-secret-file F``: mlxppctl with F is let in, with another
+    secret it is refused, and the operator's file is left as it was (mode 600)."""
+    secret = console.root / "cluster.secret"
+    other = tmp_path / "other.secret"
+    write_new_secret(other)
+    ctl = [str(VENV_BIN / "mlxppctl"), "status", "--url", console.url]
+    done = subprocess.run([*ctl, "--cluster-secret-file", str(secret)],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.startswith("cluster mlxpp-local: HEALTHY"), done.stdout
+    refused = subprocess.run([*ctl, "--cluster-secret-file", str(other)],
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert refused.returncode == 3, refused.stderr
+    assert "refused the signature (bad_mac)" in refused.stderr
+    assert os.stat(secret).st_mode & 0o077 == 0
 
 
 def test_the_page_signs_as_mlxppctl_does(console: Console) -> None:

@@ -10,10 +10,8 @@ runs a real local cluster with ``--cluster-secret-file`` and talks to it with ``
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -28,9 +26,7 @@ from mlxppd.cli.serve_modes import (
     flag_of,
 )
 from mlxppd.core.errors import ConfigurationError
-from mlxppd.wire.secret import write_new_secret
 from tests.agent_support import node_tables
-from tests.cluster_support import start_cluster
 
 CLUSTER_TOML = '[cluster]\nname = "flags-test"\npipeline_parallel_size = 2\n\n' + node_tables(
     "127.0.0.1:19100", "127.0.0.1:19101", "127.0.0.1:19102"
@@ -186,36 +182,3 @@ def test_a_refused_flag_is_one_line_on_the_real_command_line(toml: str) -> None:
         "mlxppd: error: --api-key has no effect on a pipeline stage node of --distributed-config:"
         " a stage serves no HTTP and holds no requests; give it to the coordinator; drop --api-key"
     ]
-
-
-# --- a local cluster uses --cluster-secret-file, so mlxppctl can sign for it ---
-
-
-@pytest.mark.slow
-def test_a_local_cluster_uses_the_given_secret_file_and_mlxppctl_signs_with_it(
-    tmp_path: Path, cli_env: dict[str, str]
-) -> None:
-    secret = tmp_path / "cluster.secret"
-    write_new_secret(secret)
-    other = tmp_path / "other.secret"
-    write_new_secret(other)
-    env = {k: v for k, v in cli_env.items() if not k.startswith("MLXPP_CLUSTER_SECRET")}
-    env["MLXPP_CONFIG_DIR"] = str(tmp_path / "no-config")
-    running = start_cluster(tmp_path, env, "--pp-size", "2", "--cluster-secret-file", str(secret))
-    try:
-        ctl = [sys.executable, "-m", "mlxppd.cli.mlxppctl_main", "status", "--url", running.url]
-        done = subprocess.run(
-            [*ctl, "--cluster-secret-file", str(secret)],
-            capture_output=True, text=True, env=env, timeout=120,
-        )  # fmt: skip
-        assert done.returncode == 0, done.stdout + done.stderr
-        assert done.stdout.startswith("cluster mlxpp-local: HEALTHY"), done.stdout
-        refused = subprocess.run(
-            [*ctl, "--cluster-secret-file", str(other)],
-            capture_output=True, text=True, env=env, timeout=120,
-        )  # fmt: skip
-        assert refused.returncode == 3, refused.stderr
-        assert "refused the signature (bad_mac)" in refused.stderr
-    finally:
-        assert running.stop() == 0, running.log()[-3000:]
-    assert secret.exists() and os.stat(secret).st_mode & 0o077 == 0  # the operator's file stays
