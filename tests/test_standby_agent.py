@@ -120,6 +120,7 @@ def _report(stage: int, layers: tuple[int, int]) -> StageReport:
         stage=stage, layers=layers, active_sequences=0, kv_used_bytes=0,
         kv_budget_bytes=UNLIMITED_BYTES, elastic_state="idle", weights="native", blas="none",
         node_id=None, config_generation="g1", last_reload_error=None, memory_budget_bytes=None,
+        parameter_bytes=1000,
     )  # fmt: skip
 
 

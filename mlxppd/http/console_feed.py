@@ -133,7 +133,6 @@ class ConsoleFeed:
             view = views.get(card.get("stage")) if card.get("stage") is not None else None
             card["busy_fraction"] = round(view.busy_fraction, 4) if view else None
             card["bubble_fraction"] = round(view.bubble_fraction, 4) if view else None
-            card["parameter_bytes"] = view.report.parameter_bytes if view else None
         events = (await self.controller.events(-1)).get("events", [])
         held = {c.get("weights") for c in status.get("stages", [])}
         self._held = "float32" if "float32" in held else "native"

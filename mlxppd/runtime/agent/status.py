@@ -214,7 +214,10 @@ def _reported(report: StageReport | None) -> dict[str, Any]:
     """What a stage's own report says (null for all when it did not answer); ``layers`` is
     null for a node holding none (a standby)."""
     keys = ("layers", "in_flight", "kv_used_bytes", "kv_budget_bytes", "elastic_state")
-    more = ("config_generation", "last_reload_error", "memory_budget_bytes", "weights", "blas")
+    more = (
+        "config_generation", "last_reload_error", "memory_budget_bytes", "weights", "blas",
+        "parameter_bytes",
+    )  # fmt: skip
     if report is None:
         return dict.fromkeys(keys + more)
     start, end = report.layers
@@ -229,6 +232,7 @@ def _reported(report: StageReport | None) -> dict[str, Any]:
         "memory_budget_bytes": report.memory_budget_bytes,
         "weights": report.weights,
         "blas": report.blas,
+        "parameter_bytes": report.parameter_bytes,
     }
 
 

@@ -164,10 +164,11 @@ class StageOps:
     async def _poll_stages(self, every_s: float = 1.0) -> None:
         """Stage reports for the metrics: one scrape of the coordinator covers the cluster."""
         assert self.metrics is not None
-        while self._broken is None:
-            with contextlib.suppress(BackendUnavailable):
-                reports = await self.stage_status()
-                self.metrics.record_stage_reports(time.monotonic(), reports)
+        while True:  # until close() ends it: a pipeline lost for good may come back
+            if self._broken is None:
+                with contextlib.suppress(BackendUnavailable):
+                    reports = await self.stage_status()
+                    self.metrics.record_stage_reports(time.monotonic(), reports)
             await asyncio.sleep(every_s)
 
     def _rdma_fallbacks(self) -> int:
