@@ -139,8 +139,7 @@ def create_app(
     ``max_context_tokens``: prompt + max_tokens limit (default: the tokenizer's
     ``model_max_length`` when it is a real number, else prompts are capped at 32768 tokens).
     ``default_max_tokens``: chat completions without max_tokens (completions default to 16).
-    ``metrics``: count requests into it and (``metrics_route``) serve ``GET /metrics`` from
-    its registry.
+    ``metrics``: count requests into it; ``metrics_route``: serve ``GET /metrics`` from it.
     ``admin``: also serve the signed admin API under /admin/v1 (see admin_api.py); the api key
     does not apply there, and an admin signature opens nothing under /v1.
     ``max_in_flight``: requests handled at once (503 with Retry-After beyond).
