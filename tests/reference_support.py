@@ -7,6 +7,7 @@ Parity is always against mlx-lm running the same weights: where the product's de
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -45,3 +46,18 @@ def load_reference_model(model_dir: Path, mode: CpuWeights = CpuWeights.AUTO) ->
 
     model, _ = load_model(model_dir)
     return held_as(model, served_weights(model_dir, mode))
+
+
+def greedy_answers(model_dir: Path, asks: Iterable[tuple[str, int]]) -> dict[tuple[str, int], str]:
+    """Single-process mlx-lm's greedy answer to each (question, max_tokens), asked as a one-turn
+    chat, with the weights held as a served stage holds them."""
+    from mlx_lm import generate
+
+    model, tokenizer = load_reference(model_dir)
+    out = {}
+    for question, max_tokens in asks:
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True
+        )
+        out[(question, max_tokens)] = str(generate(model, tokenizer, prompt, max_tokens=max_tokens))
+    return out

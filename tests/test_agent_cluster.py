@@ -26,7 +26,7 @@ from tests.agent_support import (
     start_agent,
     wait_for_status,
 )
-from tests.reference_support import served_weights
+from tests.reference_support import greedy_answers, served_weights
 
 pytestmark = pytest.mark.slow
 
@@ -51,18 +51,8 @@ secret_file = "{secret}"
 @pytest.fixture(scope="module")
 def reference(embedded_model_dir: Path) -> dict[str, str]:
     """Single-process mlx-lm's greedy answers (16 tokens)."""
-    from mlx_lm import generate
-
-    from tests.reference_support import load_reference
-
-    model, tokenizer = load_reference(embedded_model_dir)
-    out = {}
-    for q in (QUESTION, SECOND):
-        prompt = tokenizer.apply_chat_template(
-            [{"role": "user", "content": q}], add_generation_prompt=True
-        )
-        out[q] = generate(model, tokenizer, prompt, max_tokens=16)
-    return out
+    answers = greedy_answers(embedded_model_dir, [(q, 16) for q in (QUESTION, SECOND)])
+    return {q: answer for (q, _), answer in answers.items()}
 
 
 class Cluster:

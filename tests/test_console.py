@@ -33,6 +33,7 @@ from mlxppd.wire.admin_auth import AdminAuthError, AdminVerifier
 from mlxppd.wire.secret import write_new_secret
 from tests.agent_support import VENV_BIN
 from tests.cluster_support import RunningCluster, kill, start_cluster
+from tests.reference_support import greedy_answers
 
 CHROMIUM = shutil.which("chromium")
 pytestmark = [
@@ -123,15 +124,7 @@ def wait_health(page: Any, health: str, timeout_ms: float = 30_000) -> None:
 
 @pytest.fixture(scope="module")
 def reference(embedded_model_dir: Path) -> str:
-    from mlx_lm import generate
-
-    from tests.reference_support import load_reference
-
-    model, tokenizer = load_reference(embedded_model_dir)
-    prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": QUESTION}], add_generation_prompt=True
-    )
-    return str(generate(model, tokenizer, prompt, max_tokens=16))
+    return greedy_answers(embedded_model_dir, [(QUESTION, 16)])[(QUESTION, 16)]
 
 
 @pytest.fixture(scope="module")

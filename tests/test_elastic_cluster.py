@@ -32,7 +32,7 @@ from tests.agent_support import (
     start_local_agent,
     wait_for_status,
 )
-from tests.reference_support import served_weights
+from tests.reference_support import greedy_answers, served_weights
 
 pytestmark = pytest.mark.slow
 
@@ -66,18 +66,7 @@ reconnect_grace_s = 300
 
 @pytest.fixture(scope="module")
 def reference(embedded_model_dir: Path) -> dict[tuple[str, int], str]:
-    from mlx_lm import generate
-
-    from tests.reference_support import load_reference
-
-    model, tokenizer = load_reference(embedded_model_dir)
-    out = {}
-    for q, n in [*((q, 16) for q in QUESTIONS), (LONG, 64)]:
-        prompt = tokenizer.apply_chat_template(
-            [{"role": "user", "content": q}], add_generation_prompt=True
-        )
-        out[(q, n)] = generate(model, tokenizer, prompt, max_tokens=n)
-    return out
+    return greedy_answers(embedded_model_dir, [*((q, 16) for q in QUESTIONS), (LONG, 64)])
 
 
 class Cluster:

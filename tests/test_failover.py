@@ -30,6 +30,7 @@ from tests.agent_support import (
     start_agent,
     wait_for_status,
 )
+from tests.reference_support import greedy_answers
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -208,19 +209,7 @@ def wait_file(path: Path, timeout: float = 300) -> None:
 @pytest.fixture(scope="module")
 def reference(embedded_model_dir: Path) -> dict[tuple[str, int], str]:
     """Single-process mlx-lm's greedy answers."""
-    from mlx_lm import generate
-
-    from tests.reference_support import load_reference
-
-    model, tokenizer = load_reference(embedded_model_dir)
-    out = {}
-    for q in QUESTIONS:
-        prompt = tokenizer.apply_chat_template(
-            [{"role": "user", "content": q}], add_generation_prompt=True
-        )
-        for n in (32, 64):
-            out[(q, n)] = generate(model, tokenizer, prompt, max_tokens=n)
-    return out
+    return greedy_answers(embedded_model_dir, [(q, n) for q in QUESTIONS for n in (32, 64)])
 
 
 @pytest.fixture(scope="module")

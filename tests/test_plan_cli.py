@@ -153,6 +153,8 @@ def test_budgets_that_cannot_fit_name_the_short_stage(tmp_path: Path) -> None:
         (["--pp-size", "3", "--pp-layers", "0-15,16-31"], "--pp-layers lists 2 ranges"),
         (["--pp-layers", "0-15,17-31"], "layer 16 between '0-15' and '17-31'"),
         ([], "give --pp-size N (or --pp-layers) to plan"),
+        (["--pp-size", "2", "--tp-size", "3"], "does not split over 3 tensor-parallel ranks"),
+        (["--pp-size", "2", "--tp-size", "0"], "0 ranks per stage; use 1 or more"),
     ],
 )
 def test_bad_flags_are_one_line_and_exit_2(tmp_path: Path, flags: list[str], expected: str) -> None:
@@ -207,11 +209,3 @@ def test_tp_size_shows_what_one_rank_of_each_stage_holds(tmp_path: Path) -> None
     ]
     text = mlxppctl("plan", "--model", str(model), "--pp-size", "2", "--tp-size", "4").stdout
     assert "tensor-parallel: 4 ranks per stage; each rank holds" in text
-
-
-def test_tp_size_refuses_heads_that_do_not_split(tmp_path: Path) -> None:
-    model = config_file(tmp_path, LLAMA_8B_4BIT)
-    line = one_line_error(
-        mlxppctl("plan", "--model", str(model), "--pp-size", "2", "--tp-size", "3")
-    )
-    assert "does not split over 3 tensor-parallel ranks" in line

@@ -22,6 +22,7 @@ from tests.cluster_support import (
     start_cluster,
     wait_gone,
 )
+from tests.reference_support import greedy_answers
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -38,18 +39,8 @@ QUESTIONS = [
 @pytest.fixture(scope="module")
 def reference(embedded_model_dir: Path) -> dict[str, str]:
     """Single-process mlx-lm's greedy answer to each question (max_tokens 16)."""
-    from mlx_lm import generate
-
-    from tests.reference_support import load_reference
-
-    model, tokenizer = load_reference(embedded_model_dir)
-    answers = {}
-    for q in QUESTIONS:
-        prompt = tokenizer.apply_chat_template(
-            [{"role": "user", "content": q}], add_generation_prompt=True
-        )
-        answers[q] = generate(model, tokenizer, prompt, max_tokens=16)
-    return answers
+    answers = greedy_answers(embedded_model_dir, [(q, 16) for q in QUESTIONS])
+    return {q: answer for (q, _), answer in answers.items()}
 
 
 @pytest.fixture(scope="module")

@@ -32,6 +32,15 @@ class Clock:
         self.now += seconds
 
 
+def decoding(clock: Clock) -> SpeedMeter:
+    """A meter whose sequence "a" prefilled 300 tokens alone in 1 s and now decodes."""
+    meter = SpeedMeter(2, clock)
+    meter.prefill_began("a", 300, others_running=False)
+    clock.advance(1.0)
+    meter.token("a")
+    return meter
+
+
 def test_a_prompt_alone_and_its_steps_are_timed() -> None:
     clock = Clock()
     meter = SpeedMeter(2, clock)
@@ -47,10 +56,7 @@ def test_a_prompt_alone_and_its_steps_are_timed() -> None:
 
 def test_steps_that_waited_on_a_prefill_are_not_counted() -> None:
     clock = Clock()
-    meter = SpeedMeter(2, clock)
-    meter.prefill_began("a", 300, others_running=False)
-    clock.advance(1.0)
-    meter.token("a")
+    meter = decoding(clock)
     clock.advance(0.1)
     meter.token("a")
     assert meter.speed.decode_step_s == pytest.approx(0.1)
@@ -74,10 +80,7 @@ def test_steps_that_waited_on_a_prefill_are_not_counted() -> None:
 
 def test_a_prefill_that_fails_stops_holding_the_meter() -> None:
     clock = Clock()
-    meter = SpeedMeter(2, clock)
-    meter.prefill_began("a", 300, others_running=False)
-    clock.advance(1.0)
-    meter.token("a")
+    meter = decoding(clock)
     meter.prefill_began("b", 1000, others_running=True)
     meter.ended("b")  # refused, or its stage was lost: no first token ever
     clock.advance(0.1)

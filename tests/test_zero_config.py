@@ -18,6 +18,7 @@ import pytest
 
 from mlxppd import __version__
 from tests.agent_support import CHAT, VENV_BIN, Hosts, in_host_python, netns_unavailable
+from tests.reference_support import greedy_answers
 
 pytestmark = pytest.mark.slow
 
@@ -158,15 +159,7 @@ needs_netns = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def reference(embedded_model_dir: Path) -> str:
-    from mlx_lm import generate
-
-    from tests.reference_support import load_reference
-
-    model, tokenizer = load_reference(embedded_model_dir)
-    prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": QUESTION}], add_generation_prompt=True
-    )
-    return str(generate(model, tokenizer, prompt, max_tokens=16))
+    return greedy_answers(embedded_model_dir, [(QUESTION, 16)])[(QUESTION, 16)]
 
 
 @pytest.fixture

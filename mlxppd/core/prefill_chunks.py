@@ -13,8 +13,9 @@ a chunk of ``r`` rows costs about what one decode pass costs when ``r`` is the r
 stage's decode pass to its prefill time per token. While others decode, a chunk is ``r`` rows
 (their next token waits at most about one extra pass per stage); alone, a chunk is at least
 ``4 r`` rows, so a pass's fixed cost (reading every weight once) stays a small part of it.
-On this CPU ``r`` is about 13; on a GPU, where a prefill token costs far less than a pass, it
-is in the hundreds.
+On this 2-core CPU the coordinator measured 4.0-4.4 ms per prompt token and 76-87 ms per
+2-stage decode step, so ``r`` is 9-10; on a GPU, where a prefill token costs far less than a
+pass, it is in the hundreds.
 """
 
 from __future__ import annotations

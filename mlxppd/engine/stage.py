@@ -128,7 +128,7 @@ def load_stage(
     # Only the lazily opened tensors are read here; reused ones are already in memory.
     mx.eval(model.parameters())
     model.eval()
-    nbytes = sum(v.nbytes for _, v in _flat(model))
+    nbytes = held_bytes(model)
     return LoadedStage(
         spec=spec,
         net=StageNet(family, model, spec),
@@ -147,6 +147,11 @@ def _never(_path: str, _module: nn.Module) -> bool:
 
 def _flat(model: nn.Module) -> list[tuple[str, mx.array]]:
     return cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
+
+
+def held_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter ``model`` holds (what a stage reports as its weights)."""
+    return sum(v.nbytes for _, v in _flat(model))
 
 
 def _family_for_split(config: dict[str, Any], spec: StageSpec) -> Family:

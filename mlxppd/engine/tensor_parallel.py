@@ -22,7 +22,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxppd.core.errors import ConfigurationError
-from mlxppd.engine.stage import LoadedStage, _flat, model_classes
+from mlxppd.engine.stage import LoadedStage, held_bytes, model_classes
 
 __all__ = ["init_group", "shard_stage", "tp_address_warning", "tp_refusal"]
 
@@ -82,8 +82,7 @@ def shard_stage(stage: LoadedStage, group: mx.distributed.Group) -> LoadedStage:
     finally:
         holder.layers = every  # the same (now sharded) layer objects, in their places
     mx.eval(net.model.parameters())
-    nbytes = sum(v.nbytes for _, v in _flat(net.model))
-    return replace(stage, parameter_bytes=nbytes)
+    return replace(stage, parameter_bytes=held_bytes(net.model))
 
 
 def tp_address_warning(host: str) -> str | None:

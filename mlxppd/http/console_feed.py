@@ -151,14 +151,15 @@ class ConsoleFeed:
         """The plan in force as bars: each stage's weight bytes (as it reported them, else
         the estimate from config.json) against its memory budget, with the partitioner's
         warnings for it."""
-        if self.profile is None:
+        profile = self._profile()
+        if profile is None:
             return None
         cards = [c for c in status.get("stages", []) if c.get("layers")]
         try:
             ranges = [LayerRange(int(a), int(b) + 1) for a, b in
                       (str(c["layers"]).split("-") for c in cards)]  # fmt: skip
             budgets = [c.get("memory_budget_bytes") for c in cards]
-            plan = plan_layers(self.profile, ranges, budgets) if ranges else None
+            plan = plan_layers(profile, ranges, budgets) if ranges else None
         except (MlxppError, ValueError):
             return None  # a card mid-move; the next tick has a consistent chain
         if plan is None:
@@ -176,15 +177,15 @@ class ConsoleFeed:
                     "budget_bytes": assigned.budget_bytes,
                 }
             )
-        warnings = list(status.get("coordinator", {}).get("warnings") or plan.warnings)
+        # The coordinator's own pre-launch warnings when it gives them (an empty list too).
+        given = status.get("coordinator", {}).get("warnings")
+        warnings = list(given if given is not None else plan.warnings)
         return {"stages": stages, "warnings": warnings}
 
     def what_if(self, request: WhatIf) -> dict[str, Any]:
         """The plan the partitioner would make for ``request``; nothing changes. Raises
         MlxppError with its sentence when it cannot be made."""
-        profile = self.profile
-        if self._held == "float32" and self._float32_profile is not None:
-            profile = self._float32_profile
+        profile = self._profile()
         if profile is None:
             raise MlxppError("this coordinator has no model profile to plan with")
         budgets = (
@@ -207,6 +208,12 @@ class ConsoleFeed:
             ],
             "warnings": list(plan.warnings),
         }
+
+    def _profile(self) -> ModelProfile | None:
+        """The profile priced as the stages hold their weights (float32 on a CPU host)."""
+        if self._held == "float32" and self._float32_profile is not None:
+            return self._float32_profile
+        return self.profile
 
     # -- listeners -------------------------------------------------------------------------
 

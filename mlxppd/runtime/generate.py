@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -140,8 +139,6 @@ def run_generate(
         pipeline = InProcessPipeline([shard_stage(s, group) for s in pipeline.stages])
         shares = ", ".join(f"{s.parameter_bytes / 1e6:.1f}" for s in pipeline.stages)
         say(f"rank {group.rank()} holds its shard of every stage: {shares} MB")
-        if group.rank() > 0:
-            out = open(os.devnull, "w")  # noqa: SIM115 (every rank computes; rank 0 prints)
     if settings.verbose:
         loaded = [stage.parameter_bytes for stage in pipeline.stages]
         say(quality_report(plan).with_actual(loaded).format())

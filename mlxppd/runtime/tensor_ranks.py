@@ -6,6 +6,7 @@ launcher ends them all when any one exits with an error."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import subprocess
@@ -47,14 +48,18 @@ def launch_ranks(argv: Sequence[str], tp: int, seed: int | None) -> int:
             env.setdefault("OPENBLAS_NUM_THREADS", str(max(1, cores // tp)))
             log = None if rank == 0 else Path(tmp) / f"rank-{rank}.log"
             logs.append(log)
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "mlxppd.cli.mlxppd_main", *argv, "--seed", str(seed)],
-                    env=env,
-                    stdout=None if rank == 0 else subprocess.DEVNULL,
-                    stderr=None if log is None else log.open("wb"),
-                )
-            )
+            # Rank 0 speaks for the run; the others' output is the same, kept only for errors.
+            with contextlib.ExitStack() as files:
+                err = files.enter_context(log.open("wb")) if log is not None else None
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "mlxppd.cli.mlxppd_main", *argv,
+                         "--seed", str(seed)],
+                        env=env,
+                        stdout=None if rank == 0 else subprocess.DEVNULL,
+                        stderr=err,
+                    )
+                )  # fmt: skip
         try:
             return _wait(procs, logs)
         finally:
