@@ -239,12 +239,6 @@ def start_local_agent(config_dir: Path, env: dict[str, str], *flags: str) -> Age
     return AgentProcess(-1, config_dir, process, notify, log_path)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def node_tables(coordinator: str, stage0: str, stage1: str) -> str:
     """The [[nodes]] of a two-stage cluster TOML at these host:port addresses."""
     return (

@@ -6,7 +6,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
+from mlxppd.runtime.local_cluster import free_port
 from tests.http_support import LoopThread
 from tests.test_admin_api import SECRET, AdminServer, ScriptedCluster
 
@@ -62,13 +62,6 @@ def one_line_error(proc: subprocess.CompletedProcess[str], code: int) -> str:
     assert lines[0].startswith("mlxppctl: error: ")
     assert proc.stdout == ""
     return lines[0]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-    return port
 
 
 # --- status ---

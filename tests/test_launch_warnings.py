@@ -21,6 +21,7 @@ from mlxppd.core.partition.launch import (
 )
 from mlxppd.core.partition.plan import PartitionPlan, balance_layers, plan_layers
 from mlxppd.core.profile.model import profile_from_config
+from mlxppd.runtime.local_cluster import free_port
 from mlxppd.wire.secret import write_new_secret
 from tests.test_partition import synthetic
 
@@ -151,11 +152,12 @@ def test_three_stages_of_mixtral_warn_in_the_log_the_status_and_the_dry_run(
             assert any(w.startswith(warning) for w in warnings), warnings
     finally:
         assert running.stop() == 0, running.log()[-3000:]
-    peers = ",".join(f"127.0.0.1:{port}" for port in (41001, 41002, 41003))
+    # Free ports, not fixed ones: the other test workers' clusters listen on loopback too.
+    peers = ",".join(f"127.0.0.1:{free_port()}" for _ in range(3))
     dry = subprocess.run(
         [sys.executable, "-m", "mlxppd.cli.mlxppd_main", "serve", "--pp-auto", "3", "--dry-run",
          "--model", str(model), "--cluster-peers", peers, "--cluster-secret-file", str(secret),
-         "--cluster-control-addr", "127.0.0.1:41000", "--cluster-config-out",
+         "--cluster-control-addr", f"127.0.0.1:{free_port()}", "--cluster-config-out",
          str(tmp_path / "planned.toml")],
         capture_output=True, text=True, env=cli_env, timeout=120,
     )  # fmt: skip

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from mlxppd import __version__
+from mlxppd.runtime.local_cluster import free_port
 from tests.agent_support import CHAT, VENV_BIN, Hosts, in_host_python, netns_unavailable
 from tests.reference_support import greedy_answers
 
@@ -41,12 +42,6 @@ def serve(
     return subprocess.run(
         [MLXPPD, "serve", *flags], capture_output=True, text=True, env=env, timeout=timeout
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # -- flag errors and dry runs (loopback) -------------------------------------------------------
@@ -123,10 +118,10 @@ def test_dry_run_with_too_few_peers_fails_with_a_hint(
 def test_dry_run_with_control_equal_to_http_fails_with_a_hint(
     cli_env: dict[str, str], secret: Path, tmp_path: Path
 ) -> None:
-    peers = f"127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
+    peers, same = f"127.0.0.1:{free_port()},127.0.0.1:{free_port()}", free_port()
     done = dry_run(
         cli_env, secret, tmp_path / "c.toml", "--cluster-peers", peers,
-        "--cluster-control-addr", "127.0.0.1:18098", "--port", "18098",
+        "--cluster-control-addr", f"127.0.0.1:{same}", "--port", str(same),
     )  # fmt: skip
     assert done.returncode != 0
     assert "--cluster-control-addr" in done.stderr and "--port" in done.stderr
@@ -142,7 +137,7 @@ def test_dry_run_with_a_planned_port_in_use_fails_with_a_hint(
         peers = f"127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
         done = dry_run(
             cli_env, secret, tmp_path / "c.toml", "--cluster-peers", peers,
-            "--cluster-control-addr", f"127.0.0.1:{port}", "--port", "18097",
+            "--cluster-control-addr", f"127.0.0.1:{port}", "--port", str(free_port()),
         )  # fmt: skip
     assert done.returncode != 0
     assert f"127.0.0.1:{port} is already bound" in done.stderr
