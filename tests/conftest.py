@@ -46,6 +46,7 @@ SLOW_MODULES = (
     "test_prepare_cluster.py",
     "test_console.py",
     "test_tensor_parallel.py",
+    "test_tp_serving.py",
 )
 
 

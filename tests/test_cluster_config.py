@@ -1052,6 +1052,8 @@ def _configs(draw: st.DrawFn) -> ClusterConfig:
         node["stage"] = stage
         if tp > 1:
             node["rank"] = rank
+            # Its own ring address: the default (the port after its address) may be taken.
+            node["tp_address"] = f"ring-{i}.example:7000"
         nodes.append(node)
     for i in range(count - standbys, count):
         nodes.append({"id": ids[i], "address": addresses[i], "role": "standby"})
@@ -1109,3 +1111,33 @@ def test_node_order_does_not_change_the_output(cfg: ClusterConfig, rng: Any) -> 
 def test_cluster_section_rejects_unknown_keys_in_python_too() -> None:
     with pytest.raises(ValidationError):
         ClusterSection.model_validate({"pipeline_parallel_size": 2, "extra": 1})
+
+
+def test_each_rank_joins_its_ring_on_the_port_after_its_address_unless_told() -> None:
+    nodes = _with(_grid(), 2, tp_address="10.9.0.1:7000")
+    cfg = parse_cluster_config(_toml({"tensor_parallel_size": 2}, nodes), "t")
+    assert [n.ring_address for n in cfg.nodes_at_stage(0)] == ["10.0.1.1:8081", "10.9.0.1:7000"]
+    # The pipeline talks to rank 0 of each stage only.
+    assert [n.id for n in cfg.pipeline_nodes()] == ["s0-r0", "s1-r0"]
+    assert 'tp_address = "10.9.0.1:7000"' in render_cluster_toml(cfg)
+
+
+def test_a_ring_address_taken_by_another_node_is_refused(tmp_path: Path) -> None:
+    # s0-r1's ring would default to s0-r0's host and port + 1, where s0-r1 itself listens.
+    nodes = _with(_grid(), 2, address="10.0.1.1:8081")
+    _refused(
+        tmp_path,
+        _toml({"tensor_parallel_size": 2}, nodes),
+        "nodes[1].tp_address",
+        "node 's0-r0' would join its tensor-parallel ring on 10.0.1.1:8081",
+        "which node 's0-r1' uses already; set tp_address to a free host:port",
+    )
+
+
+def test_tp_address_belongs_to_2d_nodes_only(tmp_path: Path) -> None:
+    _refused(
+        tmp_path,
+        _toml(nodes=_with(_STAGES_2, 1, tp_address="10.0.0.2:7000")),
+        "nodes[1].tp_address",
+        "joins no tensor-parallel ring; remove tp_address",
+    )

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from mlxppd.core.kv_admission import (
     AdmissionRequest,
     RejectReason,
+    SlotKvManager,
     StageKvManager,
     coordinated_admission,
 )
@@ -86,3 +87,43 @@ def test_no_stage_ever_exceeds_its_budget(
         assert all(s.used_bytes <= s.budget_bytes for s in stages)
         # all stages agree on who is admitted
         assert len({frozenset(s.reserved) for s in stages}) == 1
+
+
+# -- a tensor-parallel stage: one accounting per (stage, rank) slot ----------------------------
+
+
+def _slots(*budgets: int, per_token: int = 10) -> SlotKvManager:
+    """Stage 1 of a 2D cluster, kept by its rank 0: one budget per rank."""
+    others = [StageKvManager(1, b, per_token, rank=r) for r, b in enumerate(budgets) if r]
+    return SlotKvManager(1, budgets[0], per_token, rank=0, others=others)
+
+
+def test_a_slot_too_small_refuses_naming_stage_and_rank_and_no_slot_commits() -> None:
+    stage = _slots(10_000, 10_000, 300)
+    problem = stage.dry_run(AdmissionRequest("long", 30, 20))
+    assert problem is not None and (problem.stage_index, problem.rank) == (1, 2)
+    assert "on stage 1 rank 2, more than its whole budget of 300" in problem.message()
+    assert coordinated_admission([stage], AdmissionRequest("long", 30, 20)) == problem
+    assert [s.used_bytes for s in stage.slots] == [0, 0, 0]
+
+
+def test_an_admitted_sequence_holds_kv_on_every_slot_until_released() -> None:
+    stage = _slots(10_000, 10_000)
+    assert coordinated_admission([stage], AdmissionRequest("a", 30, 20)) is None
+    stage.pin("entry", 10)
+    assert [s.used_bytes for s in stage.slots] == [600, 600]
+    assert stage.release("a")
+    stage.unpin("entry")
+    assert [s.used_bytes for s in stage.slots] == [0, 0]
+    stage.commit(AdmissionRequest("b", 1, 1))
+    stage.clear()
+    assert [(s.reserved, s.pinned) for s in stage.slots] == [({}, {}), ({}, {})]
+
+
+def test_a_refusal_names_its_rank_on_the_wire_too() -> None:
+    from mlxppd.core.protocol.control import AdmitRefusal
+
+    problem = _slots(10_000, 5).dry_run(AdmissionRequest("x", 1, 1))
+    assert problem is not None
+    assert AdmitRefusal.of(problem).diagnostic() == problem
+    assert problem.where == "stage 1 rank 1"

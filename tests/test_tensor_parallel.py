@@ -101,12 +101,18 @@ def test_models_that_cannot_be_sharded_are_refused_with_their_sentence(
     tiny_model: Any, cli_env: dict[str, str]
 ) -> None:
     def refused(*flags: str) -> str:
-        run = subprocess.run(
-            [str(VENV_BIN / "mlxppd"), "generate", "--pp-size", "2", *flags, "-p", "Hi"],
-            env=cli_env, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
-        assert run.returncode == 2, run.stderr
-        return run.stderr
+        # generate and serve's local cluster refuse alike, before any process starts.
+        stderr = []
+        for command in (["generate", "-p", "Hi"], ["serve", "--port", "0"]):
+            run = subprocess.run(
+                [str(VENV_BIN / "mlxppd"), *command, "--pp-size", "2", *flags],
+                env=cli_env, capture_output=True, text=True, timeout=300,
+            )  # fmt: skip
+            assert run.returncode == 2, run.stderr
+            assert "starting stage" not in run.stderr
+            stderr.append(run.stderr)
+        assert stderr[0].splitlines()[-1] == stderr[1].splitlines()[-1], stderr
+        return stderr[0]
 
     heads = refused("--tp-size", "2")  # the embedded model: 9 heads, 3 KV heads
     assert "num_attention_heads = 9 of model_type 'llama' does not split over 2" in heads
@@ -114,6 +120,21 @@ def test_models_that_cannot_be_sharded_are_refused_with_their_sentence(
     gemma = tiny_model("tp-gemma3", CASES["gemma3_text"][0])
     family = refused("--tp-size", "2", "--model", str(gemma))
     assert "model_type 'gemma3_text' has no tensor-parallel sharding in mlx-lm" in family
+
+
+def test_serve_takes_tp_size_for_a_local_cluster_only(cli_env: dict[str, str]) -> None:
+    def error(*flags: str) -> str:
+        run = subprocess.run(
+            [str(VENV_BIN / "mlxppd"), "serve", "--port", "0", *flags],
+            env=cli_env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert run.returncode == 2, run.stderr
+        return run.stderr
+
+    alone = error("--tp-size", "3")
+    assert "--tp-size" in alone and "add --pp-size 2 (or more)" in alone
+    elastic = error("--pp-size", "2", "--tp-size", "3", "--enable-elastic-pp")
+    assert "cannot move them while serving; drop --enable-elastic-pp or --tp-size" in elastic
 
 
 def test_a_tp_peer_off_private_networks_is_named() -> None:

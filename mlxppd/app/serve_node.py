@@ -116,7 +116,7 @@ async def run_coordinator_node(options: NodeOptions) -> int:
         metrics=coordinator.metrics,
         float32_profile=profile_from_config(float32_config(config)),
     )
-    stages = tuple(StageAddress(n.id, n.host, n.port) for n in cluster.stage_nodes())
+    stages = tuple(StageAddress(n.id, n.host, n.port) for n in cluster.pipeline_nodes())
     http = f"{options.host}:{options.port}"
     warnings = partition_warnings(cluster, config, coordinator.plan)
     view = CoordinatorView(
@@ -241,8 +241,10 @@ def run_local_cluster(
     *,
     port_range: PortRange | None = None,
     transport_backend: str = "tcp",
+    tp: int = 1,
 ) -> int:
-    """Start the stages, then the coordinator here; stop everything on exit or failure.
+    """Start the stages (``tp`` rank processes each), then the coordinator here; stop
+    everything on exit or failure.
 
     Transport ports come from ``port_range`` (None: the default range), the first free ones.
     """
@@ -258,6 +260,7 @@ def run_local_cluster(
         given_secret_file=template.secret_file,
         port_range=port_range or parse_port_range(DEFAULT_TRANSPORT_PORT_RANGE),
         transport_backend=transport_backend,
+        tp=tp,
     )
 
     async def coordinate() -> int:

@@ -309,11 +309,37 @@ def _stage_card(stage: Mapping[str, Any]) -> list[str]:
         ("last reload error", _text(stage.get("last_reload_error"), none="none")),
         ("model identity", _identity(stage.get("identity"))),
     )
+    slots = [s for s in stage.get("slots") or () if isinstance(s, Mapping)]
+    rank = "  rank 0" if slots else ""
     heading = (
-        f"stage {_text(stage.get('stage'))}  {_text(stage.get('node_id'))}  "
+        f"stage {_text(stage.get('stage'))}{rank}  {_text(stage.get('node_id'))}  "
         f"{_text(stage.get('address'))}"
     )
-    return [heading, *(f"  {name:<18} {value}" for name, value in rows)]
+    card = [heading, *(f"  {name:<18} {value}" for name, value in rows)]
+    if slots:
+        card.append(f"  {'weights held':<18} {_mb(slots[0].get('parameter_bytes'))}")
+    for slot in slots[1:]:
+        card += _slot_card(stage, slot)
+    return card
+
+
+def _mb(value: Any) -> str:
+    return f"{value / 1e6:.1f} MB" if isinstance(value, int) else "unknown"
+
+
+def _slot_card(stage: Mapping[str, Any], slot: Mapping[str, Any]) -> list[str]:
+    """A tensor-parallel rank above 0: it runs every pass rank 0 runs, on its own shard."""
+    rows = (
+        ("layers", f"{_text(stage.get('layers'))} (its shard)"),
+        ("process", _yes_no(stage.get("process_alive"), "alive (follows rank 0)", "NOT RUNNING")),
+        ("in flight", _text(stage.get("in_flight"))),
+        ("KV cache", _kv(slot.get("kv_used_bytes"), slot.get("kv_budget_bytes"))),
+        ("weights held", _mb(slot.get("parameter_bytes"))),
+    )
+    heading = f"stage {_text(stage.get('stage'))}  rank {_text(slot.get('rank'))}  " + _text(
+        slot.get("node_id")
+    )
+    return ["", heading, *(f"  {name:<18} {value}" for name, value in rows)]
 
 
 def render_status(document: Mapping[str, Any], badge: str, detail: str, *, dash: str) -> str:

@@ -62,6 +62,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     split.add_argument("--pp-size", type=int, help="stages of a local cluster (>= 2)")
     split.add_argument("--pp-layers", help='inclusive layer range per stage, "0-14,15-29"')
     p.add_argument(
+        "--tp-size",
+        type=int,
+        help="tensor-parallel ranks per stage of a local cluster (default 1): each stage is "
+        "that many processes, each holding its shard of the stage's layers (MLX's ring "
+        "backend on loopback; docs/tensor-parallel.md)",
+    )
+    p.add_argument(
         "--transport-port-range",
         metavar="FIRST-LAST",
         help="TCP ports a local cluster's stages and coordinator take theirs from, the first "
@@ -289,6 +296,14 @@ def _check_values(args: argparse.Namespace, mode: Mode) -> None:
                 "in this process",
                 source="--pp-size",
             )
+        if args.tp_size is not None and args.tp_size < 1:
+            raise ConfigurationError("needs at least 1 rank per stage", source="--tp-size")
+        if (args.tp_size or 1) > 1 and args.enable_elastic_pp:
+            raise ConfigurationError(
+                "a tensor-parallel stage's ranks load their layers together and cannot move "
+                "them while serving; drop --enable-elastic-pp or --tp-size",
+                source="--tp-size",
+            )
         if args.pp_layers is not None and "," not in args.pp_layers:
             raise ConfigurationError(
                 f"{args.pp_layers!r} is one stage, and a local cluster needs at least 2; give "
@@ -431,6 +446,7 @@ def _run_local(args: argparse.Namespace, options: Any) -> int:
     from mlxppd.engine.cpu_weights import resolve_for_process
     from mlxppd.engine.families import single_process_reason
     from mlxppd.engine.model_files import resolve_model_dir
+    from mlxppd.engine.tensor_parallel import tp_refusal
     from mlxppd.runtime.local_cluster import free_ports_in
     from mlxppd.runtime.system import event_loop
 
@@ -439,7 +455,7 @@ def _run_local(args: argparse.Namespace, options: Any) -> int:
         # A range without room is one error before the model loads (the stages and the
         # coordinator; the cluster takes its ports again when it starts).
         stages = args.pp_size or len(args.pp_layers.split(","))
-        free_ports_in(port_range, stages + 1, setting=_PORT_RANGE_FLAG)
+        free_ports_in(port_range, stages * (args.tp_size or 1) + 1, setting=_PORT_RANGE_FLAG)
     model_dir = resolve_model_dir(args.model)
     config = read_model_config(model_dir)
     # Every stage runs on this host: balance the layers as the stages will hold them.
@@ -454,6 +470,10 @@ def _run_local(args: argparse.Namespace, options: Any) -> int:
     refusal = single_process_reason(config) or profile.pipeline_refusal
     if refusal and len(ranges) > 1:
         raise ConfigurationError(refusal, source="--pp-size/--pp-layers")
+    tp = args.tp_size or 1
+    tp_refused = tp_refusal(config, tp)
+    if tp_refused is not None:
+        raise ConfigurationError(tp_refused, source="--tp-size")
     options = replace(options, model=str(model_dir))
     if len(ranges) >= 2:
         return int(
@@ -462,6 +482,7 @@ def _run_local(args: argparse.Namespace, options: Any) -> int:
                 ranges,
                 port_range=port_range,
                 transport_backend=args.transport_backend or "tcp",
+                tp=tp,
             )
         )
     return int(event_loop.run(run_inprocess(options, model_dir)))

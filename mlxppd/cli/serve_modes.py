@@ -101,7 +101,7 @@ FLAGS_USED: dict[Mode, frozenset[str]] = {
         | _HTTP
         | _PIPELINE
         | _LAYERS
-        | {"pp_size", "pp_layers", "transport_port_range", "transport_backend"}
+        | {"pp_size", "pp_layers", "tp_size", "transport_port_range", "transport_backend"}
     ),
     Mode.STAGE: frozenset(
         _COMMON | _SECRET | _LAYERS | {"distributed_config", "node_id", "pp_peer"}
@@ -181,6 +181,10 @@ def _hint(mode: Mode, dest: str) -> str:
         return "a peer serves the stage the coordinator assigns"
     if mode in (Mode.STAGE, Mode.COORDINATOR) and dest in ("pp_size", "pp_layers"):
         return "the cluster TOML fixes the stages"
+    if dest == "tp_size":
+        if mode in (Mode.STAGE, Mode.COORDINATOR):
+            return "the cluster TOML's tensor_parallel_size fixes the ranks"
+        return "ranks belong to a local cluster's stages; add --pp-size 2 (or more)"
     if mode is Mode.IN_PROCESS and dest in _PIPELINE | _SECRET:
         return _PIPELINE_HINT
     if mode in (Mode.IN_PROCESS, Mode.LOCAL_CLUSTER) and dest == "node_id":

@@ -2,7 +2,10 @@
 
 A sequence is admitted only if every stage can hold its KV cache for the whole request
 (prompt plus the most tokens it may generate); otherwise nothing is committed anywhere and the
-rejecting stage's diagnostic says why.
+rejecting stage's diagnostic says why. A tensor-parallel stage is several (stage, rank) slots,
+each holding its shard of the KV heads against its own budget: its ``SlotKvManager``
+dry-runs every slot and commits on all only if all accept (coordinated 2D admission), and a
+refusal names its slot.
 """
 
 from __future__ import annotations
@@ -50,6 +53,15 @@ class AdmissionDiagnostic:
     used_memory_bytes: int
     budget_bytes: int
     active_sequences: int
+    rank: int | None = None
+    """the tensor-parallel rank of the refusing slot (None: a stage of one rank)"""
+
+    @property
+    def where(self) -> str:
+        """The refusing slot, as a sentence names it."""
+        if self.rank is None:
+            return f"stage {self.stage_index}"
+        return f"stage {self.stage_index} rank {self.rank}"
 
     @property
     def available_bytes(self) -> int:
@@ -63,36 +75,35 @@ class AdmissionDiagnostic:
     def message(self) -> str:
         if self.never_fits:
             return (
-                f"this request needs {self.required_bytes} KV bytes on stage {self.stage_index}, "
+                f"this request needs {self.required_bytes} KV bytes on {self.where}, "
                 f"more than its whole budget of {self.budget_bytes}; shorten the prompt or "
                 "max_tokens"
             )
         if self.reason is RejectReason.MEMORY:
             return (
-                f"stage {self.stage_index} has {self.available_bytes} of {self.budget_bytes} KV "
+                f"{self.where} has {self.available_bytes} of {self.budget_bytes} KV "
                 f"bytes free but this request needs {self.required_bytes}; shorten the prompt or "
                 "max_tokens, or retry when other requests finish"
             )
         if self.reason is RejectReason.SEQUENCE_CAP:
             return (
-                f"stage {self.stage_index} already holds {self.active_sequences} sequences, its "
+                f"{self.where} already holds {self.active_sequences} sequences, its "
                 "limit; retry shortly"
             )
         if self.reason is RejectReason.DRAINING:
             return (
-                f"stage {self.stage_index} is draining (a reload or shutdown); retry after "
-                "Retry-After seconds"
+                f"{self.where} is draining (a reload or shutdown); retry after Retry-After seconds"
             )
         if self.reason is RejectReason.PLAN_MISMATCH:
             return (
-                f"stage {self.stage_index} holds other layers than the coordinator expects "
+                f"{self.where} holds other layers than the coordinator expects "
                 "(the cluster is changing its layer ranges); retry after Retry-After seconds"
             )
         if self.reason is RejectReason.INVALID_REQUEST:
-            return f"stage {self.stage_index} cannot serve this request's sampling parameters"
+            return f"{self.where} cannot serve this request's sampling parameters"
         if self.reason is RejectReason.ALREADY_CACHED:
-            return f"stage {self.stage_index} already holds this sequence id"
-        return f"stage {self.stage_index} refused the sequence"
+            return f"{self.where} already holds this sequence id"
+        return f"{self.where} refused the sequence"
 
 
 @dataclass
@@ -104,6 +115,8 @@ class StageKvManager:
     bytes_per_token: int
     max_sequences: int = 1 << 30
     reserved: dict[str, int] = field(default_factory=dict)
+    rank: int | None = None
+    """the tensor-parallel rank this accounting is for (None: a stage of one rank)"""
     #: prompt-cache entries the stage keeps for the coordinator: entry id -> bytes
     pinned: dict[str, int] = field(default_factory=dict)
 
@@ -142,6 +155,7 @@ class StageKvManager:
             used_memory_bytes=self.used_bytes,
             budget_bytes=self.budget_bytes,
             active_sequences=len(self.reserved),
+            rank=self.rank,
         )
 
     def commit(self, request: AdmissionRequest) -> None:
@@ -153,6 +167,11 @@ class StageKvManager:
     def release(self, sequence_id: str) -> bool:
         """Free a sequence's reservation; False if the stage did not hold it."""
         return self.reserved.pop(sequence_id, None) is not None
+
+    def clear(self) -> None:
+        """Every reservation and kept entry gone (the coordinator that made them is)."""
+        self.reserved.clear()
+        self.pinned.clear()
 
     @property
     def usage_fraction(self) -> float:
@@ -170,3 +189,54 @@ def coordinated_admission(
     for manager in managers:
         manager.commit(request)
     return None
+
+
+@dataclass
+class SlotKvManager(StageKvManager):
+    """A tensor-parallel stage's KV accounting, kept by its rank 0: its own slot (this object)
+    and one ``StageKvManager`` per other rank, each with the budget that rank reported when the
+    group formed. The other ranks mirror rank 0's every cache operation in order
+    (``engine/tp_mirror.py``), so their holdings are exactly these counts."""
+
+    others: list[StageKvManager] = field(default_factory=list)
+
+    @property
+    def slots(self) -> list[StageKvManager]:
+        return [self, *self.others]
+
+    def dry_run(self, request: AdmissionRequest) -> AdmissionDiagnostic | None:
+        own = super().dry_run(request)
+        if own is not None:
+            return own
+        for slot in self.others:
+            problem = slot.dry_run(request)
+            if problem is not None:
+                return problem
+        return None
+
+    def commit(self, request: AdmissionRequest) -> None:
+        problem = self.dry_run(request)
+        if problem is not None:
+            raise ValueError(problem.message())
+        for slot in self.slots:
+            slot.reserved[request.sequence_id] = slot.required_bytes(request)
+
+    def release(self, sequence_id: str) -> bool:
+        for slot in self.others:
+            slot.release(sequence_id)
+        return super().release(sequence_id)
+
+    def pin(self, entry: str, tokens: int) -> None:
+        for slot in self.others:
+            slot.pin(entry, tokens)
+        super().pin(entry, tokens)
+
+    def unpin(self, entry: str) -> None:
+        for slot in self.others:
+            slot.unpin(entry)
+        super().unpin(entry)
+
+    def clear(self) -> None:
+        for slot in self.others:
+            slot.clear()
+        super().clear()

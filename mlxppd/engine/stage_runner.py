@@ -96,16 +96,21 @@ class StageRunner:
         assert group.caches is not None
         return group.caches
 
-    def _group_forward(self, group_id: str, seqs: list[str], x: mx.array) -> mx.array:
+    def _group_forward(
+        self, group_id: str, seqs: list[str], x: mx.array, head: bool = True
+    ) -> mx.array:
         caches = self._regroup(group_id, seqs)
         if caches is not None:
-            return self.stage(x, caches)
-        rows = [self.stage(x[i : i + 1], self._caches[s]) for i, s in enumerate(seqs)]
+            return self.stage(x, caches, head)
+        rows = [self.stage(x[i : i + 1], self._caches[s], head) for i, s in enumerate(seqs)]
         return mx.concatenate(rows, axis=0)
 
-    def forward_group(self, group_id: str, seqs: list[str], x: mx.array) -> mx.array:
-        """One batched forward pass of a decode micro-batch; the output is evaluated."""
-        out = self._group_forward(group_id, seqs, x)
+    def forward_group(
+        self, group_id: str, seqs: list[str], x: mx.array, head: bool = True
+    ) -> mx.array:
+        """One batched forward pass of a decode micro-batch; the output is evaluated.
+        ``head``: False skips the last stage's output head (a tensor-parallel follower)."""
+        out = self._group_forward(group_id, seqs, x, head)
         mx.eval(out)
         return out
 

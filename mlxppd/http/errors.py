@@ -96,6 +96,7 @@ def from_backend_error(exc: BaseException) -> ApiError:
             code="context_length_exceeded" if never else "kv_admission_rejected",
             extra={
                 "stage": d.stage_index,
+                **({"rank": d.rank} if d.rank is not None else {}),
                 "reason": str(d.reason),
                 "used_bytes": d.used_memory_bytes,
                 "budget_bytes": d.budget_bytes,

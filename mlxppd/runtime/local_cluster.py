@@ -92,12 +92,16 @@ def local_cluster_toml(
     coordinator_port: int | None = None,
     transport_backend: str = "tcp",
     port_range: PortRange | None = None,
+    tp: int = 1,
 ) -> str:
-    """The cluster TOML of a loopback cluster: a coordinator and one node per stage."""
+    """The cluster TOML of a loopback cluster: a coordinator and one node per stage, or per
+    (stage, rank) when ``tp`` > 1 (``ports``: stage-major, then rank; each rank's ring on a
+    free port of its own)."""
     lines = [
         "[cluster]",
         f'name = "{name}"',
         f"pipeline_parallel_size = {len(ranges)}",
+        f"tensor_parallel_size = {tp}",
         f'transport_backend = "{transport_backend}"',
         f"layers = [{', '.join(repr(r) for r in format_pp_layers(ranges).split(','))}]",
     ]
@@ -110,12 +114,23 @@ def local_cluster_toml(
         f'address = "127.0.0.1:{coordinator_port or free_port()}"',
         'role = "hybrid"',
     ]
-    for i, port in enumerate(ports):
-        lines += ["", "[[nodes]]", f'id = "stage-{i}"', f'address = "127.0.0.1:{port}"']
-        lines += ['role = "pipeline_stage"', f"stage = {i}"]
+    for n, port in enumerate(ports):
+        i, rank = divmod(n, tp)
+        lines += ["", "[[nodes]]", f'id = "{stage_node_id(i, rank)}"']
+        lines += [f'address = "127.0.0.1:{port}"']
+        if tp == 1:
+            lines += ['role = "pipeline_stage"', f"stage = {i}"]
+        else:
+            lines += ['role = "pipeline_tensor_parallel"', f"stage = {i}", f"rank = {rank}"]
+            lines += [f'tp_address = "127.0.0.1:{free_port()}"']
     # Round-trip through the validated model so the file is exactly what a node will load.
     config: ClusterConfig = parse_cluster_config("\n".join(lines) + "\n", "local cluster")
     return render_cluster_toml(config)
+
+
+def stage_node_id(stage: int, rank: int = 0) -> str:
+    """A local cluster's node id for (stage, rank): rank 0 is the stage's own name."""
+    return f"stage-{stage}" if rank == 0 else f"stage-{stage}-rank-{rank}"
 
 
 def stage_environment(environ: Mapping[str, str], stages: int, cpus: int) -> dict[str, str]:
@@ -158,15 +173,22 @@ class LocalCluster:
     port_setting: str = "--transport-port-range"
     """how an exhausted range's error names the setting"""
     transport_backend: str = "tcp"
+    tp: int = 1
+    """tensor-parallel ranks per stage: one process each"""
+    followers: list[list[subprocess.Popen[bytes]]] = field(default_factory=list, init=False)
+    """each stage's ranks above 0 (``procs`` holds rank 0, the one that listens)"""
     restarts: list[int] = field(default_factory=list, init=False)
     """how often each stage was restarted"""
 
     def __post_init__(self) -> None:
         try:
             # Stages first (the lowest free ports), then the coordinator's address.
-            *self.ports, coordinator_port = free_ports_in(
-                self.port_range, len(self.ranges) + 1, setting=self.port_setting
+            *ports, coordinator_port = free_ports_in(
+                self.port_range, len(self.ranges) * self.tp + 1, setting=self.port_setting
             )
+            self.node_ports = ports
+            # Where each stage listens: its rank 0's port.
+            self.ports = ports[:: self.tp]
         except BaseException:
             shutil.rmtree(self.workdir, ignore_errors=True)
             raise
@@ -187,11 +209,12 @@ class LocalCluster:
         self.cluster_file.write_text(
             local_cluster_toml(
                 self.ranges,
-                self.ports,
+                self.node_ports,
                 "mlxpp-local",
                 coordinator_port=coordinator_port,
                 transport_backend=self.transport_backend,
                 port_range=self.port_range,
+                tp=self.tp,
             )
         )
         self.restarts = [0 for _ in self.ranges]
@@ -201,9 +224,10 @@ class LocalCluster:
         #: what became ready when (the web console shows it)
         self.timeline = StartTimeline()
 
-    def _stage_command(self, index: int, ready: Path) -> list[str]:
+    def _stage_command(self, index: int, ready: Path, rank: int = 0) -> list[str]:
         cmd = [sys.executable, "-m", "mlxppd.cli.mlxppd_main", "serve"]
-        cmd += ["--distributed-config", str(self.cluster_file), "--node-id", f"stage-{index}"]
+        node = stage_node_id(index, rank)
+        cmd += ["--distributed-config", str(self.cluster_file), "--node-id", node]
         cmd += ["--cluster-secret-file", str(self.secret_file), "--ready-file", str(ready)]
         if self.model:
             cmd += ["--model", self.model]
@@ -219,16 +243,43 @@ class LocalCluster:
         return self.workdir / f"stage-{index}.ready"
 
     def _spawn(self, index: int) -> subprocess.Popen[bytes]:
+        """Start stage ``index``: its ranks above 0 (they wait for rank 0 in the ring), then
+        rank 0, which listens once every rank has loaded its shard."""
         ready = self._ready_file(index)
         # A ready file left by an earlier process would pass for this one listening.
         ready.unlink(missing_ok=True)
         self._ready_at[index] = None
+        env = stage_environment(os.environ, len(self.ranges) * self.tp, os.cpu_count() or 1)
+        ranks = []
+        for rank in range(1, self.tp):
+            follower_ready = self.workdir / f"stage-{index}-rank-{rank}.ready"
+            ranks.append(self._popen(self._stage_command(index, follower_ready, rank), env))
+        while len(self.followers) <= index:
+            self.followers.append([])
+        self.followers[index] = ranks
+        return self._popen(self._stage_command(index, ready), env)
+
+    @staticmethod
+    def _popen(command: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
         return subprocess.Popen(
-            self._stage_command(index, ready),
-            env=stage_environment(os.environ, len(self.ranges), os.cpu_count() or 1),
+            command,
+            env=env,
             start_new_session=True,
             preexec_fn=_die_with_parent if sys.platform == "linux" else None,  # noqa: PLW1509
         )
+
+    def _stage_exited(self, index: int) -> int | None:
+        """The exit status of the first of stage ``index``'s processes to exit (None: all
+        run). A rank that exits takes its stage with it: the others are ended."""
+        group = [self.procs[index], *self.followers[index]]
+        codes = [p.poll() for p in group]
+        exited = next((c for c in codes if c is not None), None)
+        if exited is not None:
+            for proc in group:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        return exited
 
     def _listened(self, index: int) -> None:
         self._ready_at[index] = time.monotonic()
@@ -244,9 +295,9 @@ class LocalCluster:
             print(f"starting stage {i}/{len(self.ranges)} (pid {proc.pid})...", file=sys.stderr)
             deadline = time.monotonic() + STAGE_START_TIMEOUT_S
             while not self._ready_file(i).exists():
-                if proc.poll() is not None:
+                if (code := self._stage_exited(i)) is not None:
                     raise TemporaryError(
-                        f"stage {i} exited with status {proc.returncode} before it listened; "
+                        f"stage {i} exited with status {code} before it listened; "
                         "see its error above"
                     )
                 if time.monotonic() > deadline:
@@ -277,7 +328,7 @@ class LocalCluster:
         failed_starts = 0
         while not self._stopping:
             proc = self.procs[index]
-            while proc.poll() is None:
+            while self._stage_exited(index) is None:
                 await asyncio.sleep(SUPERVISE_POLL_S)
             ready_at = self._ready_at[index]
             served_s = 0.0 if ready_at is None else time.monotonic() - ready_at
@@ -313,7 +364,7 @@ class LocalCluster:
         self.procs[index] = proc
         print(f"restarted stage {index}/{len(self.ranges)} (pid {proc.pid})", file=sys.stderr)
         deadline = time.monotonic() + STAGE_START_TIMEOUT_S
-        while proc.poll() is None:
+        while self._stage_exited(index) is None:
             if self._ready_file(index).exists():
                 self._listened(index)
                 return
@@ -328,11 +379,13 @@ class LocalCluster:
     def stop(self) -> None:
         """Stop every stage, last first; SIGKILL what does not exit in 10 s."""
         self._stopping = True  # no restart from here on, whoever still runs
-        for proc in reversed(self.procs):
+        # Rank 0 first: it tells its other ranks to stop as it closes.
+        every = [*reversed(self.procs), *(p for ranks in self.followers for p in ranks)]
+        for proc in every:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 10
-        for proc in reversed(self.procs):
+        for proc in every:
             remaining = max(0.1, deadline - time.monotonic())
             try:
                 proc.wait(remaining)
@@ -340,6 +393,7 @@ class LocalCluster:
                 proc.kill()
                 proc.wait()
         self.procs.clear()
+        self.followers.clear()
         shutil.rmtree(self.workdir, ignore_errors=True)
 
     def node_options(self, template: NodeOptions) -> NodeOptions:

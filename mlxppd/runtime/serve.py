@@ -38,9 +38,11 @@ from mlxppd.runtime.pipeline.coordinator import Coordinator
 from mlxppd.runtime.pipeline.node_start import (
     CoordinatorSetup,
     StageSetup,
+    run_tensor_follower,
     start_pipeline_coordinator,
     start_stage_worker,
 )
+from mlxppd.runtime.pipeline.tp_stage import tensor_place
 from mlxppd.runtime.system.atomic_write import write_text_atomic
 from mlxppd.runtime.system.mlx_thread import MlxThread
 from mlxppd.wire.secret import load_cluster_secret
@@ -145,8 +147,11 @@ async def run_stage_node(options: NodeOptions) -> int:
         max_sequences=options.max_sequences,
         cpu_weights=options.cpu_weights or cluster.cluster.cpu_weights,
         digest_cache=default_cache_dir(),
+        tensor=tensor_place(cluster, node),
     )
     mlx = MlxThread(f"mlx-stage{node.stage}")
+    if setup.tensor is not None and setup.tensor.rank > 0:
+        return await _follow(setup, mlx, options.ready_file)
     try:
         stop = stop_event()
         worker, address = await start_stage_worker(setup, mlx)
@@ -156,6 +161,23 @@ async def run_stage_node(options: NodeOptions) -> int:
         return 0
     finally:
         mlx.close()
+
+
+async def _follow(setup: StageSetup, mlx: MlxThread, ready_file: Path | None) -> int:
+    """A tensor-parallel rank above 0: it listens on no transport; it follows rank 0 until
+    rank 0 stops, or until this process is told to stop."""
+    stop = stop_event()
+    assert setup.tensor is not None
+    follower = asyncio.ensure_future(run_tensor_follower(setup, mlx))
+    write_ready(ready_file, f"{setup.tensor.ring[setup.tensor.rank]}\n")
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait((follower, stopped), return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if follower.done():
+        follower.result()  # a load that failed says why
+    # The mlx thread may sit in a collective that only rank 0 could end: do not wait on it.
+    mlx.close(timeout=0.5)
+    return 0
 
 
 def partition_warnings(

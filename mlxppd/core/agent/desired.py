@@ -103,7 +103,7 @@ def desired_state(
             http_host=host.http_host,
             http_port=host.http_port,
             transport=transport,
-            stages=tuple(StageAddress(n.id, n.host, n.port) for n in cluster.stage_nodes()),
+            stages=tuple(StageAddress(n.id, n.host, n.port) for n in cluster.pipeline_nodes()),
             layers=ranges,
             parallel=host.parallel,
             micro_batch_size=host.micro_batch_size,
@@ -145,7 +145,7 @@ def _awaiting_model(
     stage = StageTarget(
         node_id=node.id,
         stage=STANDBY_INDEX,
-        num_stages=len(cluster.stage_nodes()),
+        num_stages=len(cluster.pipeline_nodes()),
         layers=None,
         host=node.host,
         port=node.port,

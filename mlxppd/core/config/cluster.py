@@ -264,6 +264,12 @@ class Node(_Strict):
     rank: int | None = Field(
         None, ge=0, strict=True, description="Tensor-parallel rank (0-based); 2D nodes only."
     )
+    tp_address: str | None = Field(
+        None,
+        description="host:port where this rank joins its stage's MLX ring (tensor-parallel "
+        "collectives, unencrypted: a private link); 2D nodes only; default: address's host, "
+        "the port after address's.",
+    )
 
     @field_validator("id")
     @classmethod
@@ -289,10 +295,26 @@ class Node(_Strict):
         """Port part of ``address``."""
         return parse_address(self.address)[1]
 
+    @field_validator("tp_address")
+    @classmethod
+    def _check_tp_address(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_address(value)
+        return value
+
     @property
     def tp_rank(self) -> int:
         """Tensor-parallel rank, 0 for a node of a pipeline-only cluster."""
         return self.rank if self.rank is not None else 0
+
+    @property
+    def ring_address(self) -> str:
+        """Where this rank joins its stage's ring (``tp_address``, or the port after
+        ``address``'s on the same host)."""
+        if self.tp_address is not None:
+            return self.tp_address
+        host, port = parse_address(self.address)
+        return f"[{host}]:{port + 1}" if ":" in host else f"{host}:{port + 1}"
 
 
 class ClusterConfig(_Strict):
@@ -343,6 +365,11 @@ class ClusterConfig(_Strict):
         """The nodes of one tensor-parallel rank, ordered by stage (rank 0 = all when not 2D)."""
         return [n for n in self.stage_nodes() if n.tp_rank == rank]
 
+    def pipeline_nodes(self) -> list[Node]:
+        """One node per stage, in stage order: the one the pipeline talks to (rank 0 of a
+        tensor-parallel stage; every stage node when not 2D)."""
+        return self.nodes_at_rank(0)
+
     def find_node(self, node_id: str) -> Node | None:
         """The node with this id, or None."""
         return next((n for n in self.nodes if n.id == node_id), None)
@@ -383,12 +410,38 @@ def _check_topology(cfg: ClusterConfig) -> None:
                 f"{where} appears on nodes '{other}' and '{node.id}'; give {what} exactly one node",
             )
         slots[slot] = i
+    if tp > 1:
+        _check_rings(cfg)
     if not coordinators:
         raise KeyedValueError(
             ("nodes",),
             "no node has role 'hybrid'; add one coordinator node with role = \"hybrid\"",
         )
     _check_complete(slots, pp, tp)
+
+
+def _check_rings(cfg: ClusterConfig) -> None:
+    """Every rank's ring address is its own: no other rank's, no node's transport address."""
+    taken = {address_key(n.address): n.id for n in cfg.nodes}
+    for i, node in enumerate(cfg.nodes):
+        if node.role is not NodeRole.PIPELINE_TENSOR_PARALLEL:
+            continue
+        if node.tp_address is None and node.port == 65535:
+            raise KeyedValueError(
+                ("nodes", i, "tp_address"),
+                f"node '{node.id}' listens on port 65535, so there is no port after it for its "
+                "tensor-parallel ring; set tp_address to a free host:port",
+            )
+        canon = address_key(node.ring_address)
+        if canon in taken:
+            how = "its tp_address" if node.tp_address else "the port after its address"
+            raise KeyedValueError(
+                ("nodes", i, "tp_address"),
+                f"node '{node.id}' would join its tensor-parallel ring on {node.ring_address} "
+                f"({how}), which node '{taken[canon]}' uses already; set tp_address to a free "
+                "host:port",
+            )
+        taken[canon] = node.id
 
 
 def _check_unique(
@@ -436,7 +489,7 @@ def _check_stageless(cfg: ClusterConfig, i: int, coordinators: list[int]) -> Non
             f"node '{node.id}' is a standby, which serves no stage of its own until the "
             "coordinator gives it a lost stage's layers"
         )
-    for key in ("stage", "rank"):
+    for key in ("stage", "rank", "tp_address"):
         if getattr(node, key) is not None:
             raise KeyedValueError(("nodes", i, key), f"{what}; remove its {key} key")
 
@@ -467,6 +520,12 @@ def _stage_slot(node: Node, i: int, pp: int, tp: int) -> tuple[int, int]:
             f"use a stage from 0 to {pp - 1}",
         )
     if tp == 1:
+        if node.tp_address is not None:
+            raise KeyedValueError(
+                ("nodes", i, "tp_address"),
+                f"node {name} has role 'pipeline_stage', which joins no tensor-parallel ring; "
+                "remove tp_address, or set cluster.tensor_parallel_size for a 2D cluster",
+            )
         if node.rank is not None:
             raise KeyedValueError(
                 ("nodes", i, "rank"),

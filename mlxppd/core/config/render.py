@@ -65,8 +65,8 @@ def _toml_value(value: object) -> str:
 
 def _node_lines(node: Node) -> list[str]:
     lines = ["[[nodes]]"]
-    # Fixed key order (id, address, role, stage, rank); unset keys are left out.
-    for key in ("id", "address", "role", "stage", "rank"):
+    # Fixed key order (id, address, role, stage, rank, tp_address); unset keys are left out.
+    for key in ("id", "address", "role", "stage", "rank", "tp_address"):
         value = getattr(node, key)
         if value is not None:
             lines.append(f"{key} = {_toml_value(str(value) if key == 'role' else value)}")

@@ -258,6 +258,8 @@ class AdmitRefusal(StrictModel):
     used_memory_bytes: Count
     budget_bytes: Count
     active_sequences: Count
+    rank: int | None = Field(None, ge=0, le=4096)
+    """the refusing tensor-parallel rank (None: a stage of one rank)"""
 
     @classmethod
     def of(cls, d: AdmissionDiagnostic) -> AdmitRefusal:
@@ -268,6 +270,7 @@ class AdmitRefusal(StrictModel):
             used_memory_bytes=d.used_memory_bytes,
             budget_bytes=d.budget_bytes,
             active_sequences=d.active_sequences,
+            rank=d.rank,
         )
 
     def diagnostic(self) -> AdmissionDiagnostic:
@@ -278,6 +281,7 @@ class AdmitRefusal(StrictModel):
             used_memory_bytes=self.used_memory_bytes,
             budget_bytes=self.budget_bytes,
             active_sequences=self.active_sequences,
+            rank=self.rank,
         )
 
 
@@ -407,6 +411,16 @@ class StageExtras(StrictModel):
     last_reload: ReloadReport | None = None
 
 
+class SlotReport(StrictModel):
+    """One (stage, rank) slot of a tensor-parallel stage, as its rank 0 reports it."""
+
+    rank: int = Field(ge=0, le=4096)
+    node_id: str = Field(max_length=128)
+    parameter_bytes: Count = Field(description="this rank's shard of the stage's weights")
+    kv_used_bytes: Count
+    kv_budget_bytes: Count = Field(description="UNLIMITED_BYTES when none is configured")
+
+
 class StageReport(StageExtras):
     """A stage's status reply: what it holds, how busy it was, its counters and clock."""
 
@@ -433,6 +447,12 @@ class StageReport(StageExtras):
     admission: Literal["open", "draining"]
     elastic_state: str = Field(max_length=32)
     now: float = Field(description="the stage's wall clock when it answered, seconds")
+    slots: list[SlotReport] = Field(
+        default_factory=list,
+        max_length=4096,
+        description="a tensor-parallel stage's (stage, rank) slots, rank order; empty for a "
+        "stage of one rank",
+    )
 
     def activity(self) -> dict[str, float]:
         """The cumulative seconds ``core.stage_accounting.fractions`` compares."""

@@ -219,7 +219,7 @@ def _reported(report: StageReport | None) -> dict[str, Any]:
         "parameter_bytes",
     )  # fmt: skip
     if report is None:
-        return dict.fromkeys(keys + more)
+        return dict.fromkeys(keys + more) | {"slots": []}
     start, end = report.layers
     return {
         "layers": f"{start}-{end - 1}" if end > start else None,
@@ -233,6 +233,17 @@ def _reported(report: StageReport | None) -> dict[str, Any]:
         "weights": report.weights,
         "blas": report.blas,
         "parameter_bytes": report.parameter_bytes,
+        # A tensor-parallel stage: each (stage, rank) slot's shard and KV.
+        "slots": [
+            {
+                "rank": slot.rank,
+                "node_id": slot.node_id,
+                "parameter_bytes": slot.parameter_bytes,
+                "kv_used_bytes": slot.kv_used_bytes,
+                "kv_budget_bytes": configured_budget(slot.kv_budget_bytes),
+            }
+            for slot in report.slots
+        ],
     }
 
 

@@ -203,6 +203,7 @@ class _StageCollector(Collector):
         )
         mean.add_metric([], sum(s.bubble_fraction for s in stages) / len(stages) if stages else 0)
         yield from (busy, bubble, mean, busy_s, active_s, kv_used, kv_budget, latency, latency_max)
+        yield from _slots(stages)
 
         queue = GaugeMetricFamily("mlxpp_queue_depth", "Requests waiting for a free slot")
         queue.add_metric([], self.m._queue_depth())
@@ -242,6 +243,32 @@ class _StageCollector(Collector):
         fallbacks = CounterMetricFamily("mlxpp_rdma_fallbacks", "RDMA transport fallbacks to TCP")
         fallbacks.add_metric([], self.m._rdma_fallbacks())
         yield from (handshakes, rejected, preauth, fallbacks)
+
+
+def _slots(stages: list[StageView]) -> Iterator[Metric]:
+    """Per (stage, rank) slot: its shard of the weights and its KV (rank 0 alone for a stage
+    of one rank), so a 2D cluster's dashboard shows every host of a stage."""
+    labels = ["stage", "rank"]
+    held = GaugeMetricFamily(
+        "mlxpp_slot_parameter_bytes", "Weight bytes a (stage, rank) slot holds", labels=labels
+    )
+    used = GaugeMetricFamily(
+        "mlxpp_slot_kv_used_bytes", "KV bytes reserved on a (stage, rank) slot", labels=labels
+    )
+    budget = GaugeMetricFamily(
+        "mlxpp_slot_kv_budget_bytes", "KV byte budget of a (stage, rank) slot", labels=labels
+    )
+    for view in stages:
+        s = view.report
+        rows = [(x.rank, x.parameter_bytes, x.kv_used_bytes, x.kv_budget_bytes) for x in s.slots]
+        for rank, nbytes, kv_used, kv_budget in rows or [
+            (0, s.parameter_bytes, s.kv_used_bytes, s.kv_budget_bytes)
+        ]:
+            label = [str(s.stage), str(rank)]
+            held.add_metric(label, float(nbytes))
+            used.add_metric(label, float(kv_used))
+            budget.add_metric(label, float(kv_budget))
+    yield from (held, used, budget)
 
 
 def _le(bound: float) -> str:

@@ -131,7 +131,7 @@ class Coordinator(StageOps, LinkReader, PromptSender):
                 rdma_fallbacks=self._rdma_fallbacks,
             )
         # 1: no micro-batches; 0: auto (micro_batcher.py)
-        stages = len(cluster.stage_nodes())
+        stages = len(cluster.pipeline_nodes())
         self.meter = SpeedMeter(stages)
         self._batcher = (
             MicroBatcher(micro_batch_size, self._send_group, stages)
@@ -142,7 +142,7 @@ class Coordinator(StageOps, LinkReader, PromptSender):
     # -- lifecycle -----------------------------------------------------------------------------
 
     async def start(self, *, warmup: bool = True) -> None:
-        for node in self.cluster.stage_nodes():
+        for node in self.cluster.pipeline_nodes():
             self._links.append(await self.open_link(node, self._connect_timeout_s))
         await self.configure_chain(self._links)
         if self.failover is not None:

@@ -31,6 +31,12 @@ from mlxppd.runtime.pipeline.failover import FailoverSettings, survivors_replan
 from mlxppd.runtime.pipeline.identity_check import IdentityReference
 from mlxppd.runtime.pipeline.stage_loader import layer_preparer, load_stage_runner, stage_kv_manager
 from mlxppd.runtime.pipeline.stage_worker import StageWorker
+from mlxppd.runtime.pipeline.tp_stage import (
+    TensorPlace,
+    TensorStage,
+    follow_rank_zero,
+    load_tp_stage,
+)
 from mlxppd.runtime.system.mlx_thread import MlxThread
 from mlxppd.runtime.system.open_files import raise_open_file_limit
 from mlxppd.wire.backends import create_transport, wire_config_for
@@ -63,6 +69,8 @@ class StageSetup:
     """where ``mlxppctl prepare`` puts what it ships (None: this node takes nothing)"""
     missing_model: str | None = None
     """why this node has no model files yet: it listens holding no layers until prepared"""
+    tensor: TensorPlace | None = None
+    """its place in a tensor-parallel stage (None: a stage of one rank)"""
 
 
 async def start_stage_worker(
@@ -75,17 +83,23 @@ async def start_stage_worker(
     spec = setup.spec
     runner: StageRunner | None = None
     per_token = 0
-    if not spec.is_standby:  # a standby loads a lost stage's layers when it adopts them
+    tensor = None
+    if setup.tensor is not None:
+        tensor = await _load_tensor_stage(setup, mlx)
+        runner, kv = tensor.runner, tensor.kv
+    elif not spec.is_standby:  # a standby loads a lost stage's layers when it adopts them
         runner, per_token = await load_stage_runner(
             mlx, setup.model_dir, spec, setup.model_config, weights=setup.cpu_weights,
             digest_cache=setup.digest_cache,
         )  # fmt: skip
-    kv = stage_kv_manager(spec, per_token, setup.kv_budget_bytes, setup.max_sequences)
+    if tensor is None:
+        kv = stage_kv_manager(spec, per_token, setup.kv_budget_bytes, setup.max_sequences)
     transport = create_transport(
         setup.transport, wire_config_for(setup.cluster, setup.node_id, setup.secret)
     )
     prepare = None
-    if setup.missing_model is None:
+    # A tensor-parallel stage's layers are fixed while it runs: its ranks load together.
+    if setup.missing_model is None and tensor is None:
         prepare = layer_preparer(
             mlx,
             setup.model_dir,
@@ -100,6 +114,8 @@ async def start_stage_worker(
         receiver=setup.receiver, missing_model=setup.missing_model,
         tokenizer=functools.partial(load_tokenizer, setup.model_dir),
     )  # fmt: skip
+    if tensor is not None and setup.tensor is not None:
+        worker.slot_nodes = tuple(zip(setup.tensor.node_ids, tensor.slot_bytes, strict=True))
     address = await worker.start(setup.host, setup.port)
     if setup.missing_model is not None:
         log.warning(
@@ -115,6 +131,27 @@ async def start_stage_worker(
             runner.stage.parameter_bytes / 1e6,
         )  # fmt: skip
     return worker, address
+
+
+async def _load_tensor_stage(setup: StageSetup, mlx: MlxThread) -> TensorStage:
+    assert setup.tensor is not None
+    return await load_tp_stage(
+        mlx, setup.tensor, setup.model_dir, setup.spec, setup.model_config,
+        budget_bytes=setup.kv_budget_bytes, max_sequences=setup.max_sequences,
+        weights=setup.cpu_weights, digest_cache=setup.digest_cache,
+    )  # fmt: skip
+
+
+async def run_tensor_follower(setup: StageSetup, mlx: MlxThread) -> int:
+    """A tensor-parallel rank above 0: load its shard with the others, then mirror rank 0
+    until rank 0 stops (or the ring breaks); returns the calls it made."""
+    tensor = await _load_tensor_stage(setup, mlx)
+    log.info(
+        "stage %d (%s) rank %d following rank 0, layers %d-%d, %.1f MB of parameters",
+        setup.spec.index, setup.node_id, tensor.group.rank(), setup.spec.start,
+        setup.spec.end - 1, tensor.runner.stage.parameter_bytes / 1e6,
+    )  # fmt: skip
+    return await follow_rank_zero(mlx, tensor, setup.spec)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from mlxppd.core.kv_admission import (
     AdmissionDiagnostic,
     AdmissionRequest,
     RejectReason,
+    SlotKvManager,
     StageKvManager,
 )
 from mlxppd.core.log_text import escape
@@ -32,6 +33,7 @@ from mlxppd.core.protocol.control import (
     LayerLoad,
     Reassign,
     ReassignReply,
+    SlotReport,
     StageReport,
     WireCounters,
     clip,
@@ -88,11 +90,10 @@ class StageControl:
     _extras: Any
     _load_tokenizer: Any
     _tokenizer: Any
+    slot_nodes: tuple[tuple[str, int], ...]
 
     def _release_accounting(self) -> None:
-        for held in list(self.kv.reserved):
-            self.kv.release(held)
-        self.kv.pinned.clear()  # the prompt-cache entries were the coordinator's
+        self.kv.clear()  # the prompt-cache entries were the coordinator's too
         self.clock.set_active(0, time.monotonic())
 
     def _layers(self) -> StageRunner:
@@ -265,7 +266,25 @@ class StageControl:
             admission="open" if self.admitting else "draining",
             elastic_state=self.elastic_state,
             now=time.time(),
+            slots=self._slots(),
         )
+
+    def _slots(self) -> list[SlotReport]:
+        kv = self.kv
+        if not isinstance(kv, SlotKvManager) or not self.slot_nodes:
+            return []
+        return [
+            SlotReport(
+                rank=rank,
+                node_id=node,
+                parameter_bytes=nbytes,
+                kv_used_bytes=slot.used_bytes,
+                kv_budget_bytes=slot.budget_bytes,
+            )  # fmt: skip
+            for rank, ((node, nbytes), slot) in enumerate(
+                zip(self.slot_nodes, sorted(kv.slots, key=lambda k: k.rank or 0), strict=True)
+            )
+        ]
 
     async def _heartbeats(self, channel: SecureChannel, interval_s: float) -> None:
         """Say "alive" to the coordinator every interval while it is the coordinator."""

@@ -9,6 +9,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
+
 from mlxppd.core.cpu_weights import CpuWeights
 from mlxppd.core.kv_admission import UNLIMITED_BYTES, StageKvManager
 from mlxppd.core.protocol.control import LayerLoad
@@ -19,6 +21,8 @@ from mlxppd.engine.kv_sizing import kv_bytes_per_token
 from mlxppd.engine.stage import load_stage
 from mlxppd.engine.stage_digest import stage_identity
 from mlxppd.engine.stage_runner import StageRunner
+from mlxppd.engine.tensor_parallel import shard_stage
+from mlxppd.engine.tp_mirror import MirroredRunner
 from mlxppd.runtime.system.mlx_thread import MlxThread
 
 log = logging.getLogger("mlxppd.stage")
@@ -41,8 +45,14 @@ async def load_stage_runner(
     reuse: StageRunner | None = None,
     weights: CpuWeights = CpuWeights.AUTO,
     digest_cache: Path | None = None,
+    group: mx.distributed.Group | None = None,
 ) -> tuple[StageRunner, int]:
     """The stage's runner and its KV bytes per token, loaded on the mlx thread.
+
+    ``group``: this rank's tensor-parallel group; the stage keeps only its shard of the layers
+    and the KV bytes are this rank's (its share of the KV heads). Every rank of the group must
+    load at once: sharding and the KV probe run collectives. Rank 0's runner announces each
+    call to the others (``engine/tp_mirror.py``).
 
     ``reuse``: the runner being replaced; its tensors for layers the new spec keeps are taken
     over, so only the gained layers are read (``runner.stage.loaded_tensors`` counts them).
@@ -53,12 +63,16 @@ async def load_stage_runner(
         old = reuse.stage if reuse is not None else None
         stage = load_stage(model_dir, spec, config, reuse=old, weights_mode=weights)
         stage = replace(stage, identity=stage_identity(model_dir, spec, config, digest_cache))
+        if group is not None:
+            stage = shard_stage(stage, group)
         log.info(
             "stage %d: layers %d-%d, %.1f MB of parameters, weights %s, BLAS %s",
             spec.index, spec.start, spec.end - 1, stage.parameter_bytes / 1e6,
             stage.weights_reason, blas_in_use(),
         )  # fmt: skip
         per_token = kv_bytes_per_token(stage, int(text_config(config)["hidden_size"]))
+        if group is not None and group.rank() == 0:
+            return MirroredRunner(stage, group), per_token
         return StageRunner(stage), per_token
 
     return await mlx.run(load)
@@ -98,11 +112,16 @@ def layer_preparer(
 
 
 def stage_kv_manager(
-    spec: StageSpec, bytes_per_token: int, budget_bytes: int | None, max_sequences: int
+    spec: StageSpec,
+    bytes_per_token: int,
+    budget_bytes: int | None,
+    max_sequences: int,
+    rank: int | None = None,
 ) -> StageKvManager:
     return StageKvManager(
         stage_index=spec.index,
         budget_bytes=budget_bytes or UNLIMITED_BYTES,
         bytes_per_token=bytes_per_token,
         max_sequences=max_sequences,
+        rank=rank,
     )

@@ -290,14 +290,15 @@ class StageOps:
     def _rejected(self, seq: str, d: AdmissionDiagnostic) -> None:
         """An OOM diagnostic: one log line, the counter, a trace event."""
         log.warning(
-            "admission rejected: %s stage=%d reason=%s required=%d used=%d budget=%d active=%d",
-            seq, d.stage_index, d.reason.value, d.required_bytes, d.used_memory_bytes,
-            d.budget_bytes, d.active_sequences,
+            "admission rejected: %s stage=%d%s reason=%s required=%d used=%d budget=%d active=%d",
+            seq, d.stage_index, "" if d.rank is None else f" rank={d.rank}", d.reason.value,
+            d.required_bytes, d.used_memory_bytes, d.budget_bytes, d.active_sequences,
         )  # fmt: skip
         if self.metrics is not None:
             self.metrics.rejections.labels(stage=str(d.stage_index), reason=d.reason.value).inc()
         self.trace.instant(
-            "admission_reject", 0, seq=seq, stage=d.stage_index, reason=d.reason.value,
+            "admission_reject", 0, seq=seq, stage=d.stage_index, rank=d.rank,
+            reason=d.reason.value,
             required_bytes=d.required_bytes, available_bytes=d.available_bytes,
         )  # fmt: skip
 

@@ -58,6 +58,7 @@ from mlxppd.core.stages import StageSpec
 from mlxppd.engine.prepared_copy import ModelReceiver
 from mlxppd.engine.stage_runner import StageRunner
 from mlxppd.engine.stage_threads import StageThreads
+from mlxppd.engine.tp_mirror import MirroredRunner
 from mlxppd.engine.wire_tensors import from_wire, to_wire
 from mlxppd.runtime.observability.trace import TraceBuffer, now_us
 from mlxppd.runtime.pipeline.stage_control import ProtocolViolation, StageControl, send_reply
@@ -138,6 +139,8 @@ class StageWorker(StageControl, StageModel):
         # may last before it counts as lost (None: no heartbeats).
         self._heartbeat_interval_s: float | None = None
         self._heartbeat_timeout_s: float | None = None
+        # A tensor-parallel stage's slots: every rank's node id and shard bytes, rank order.
+        self.slot_nodes: tuple[tuple[str, int], ...] = ()
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
         self._loops = [
@@ -194,6 +197,8 @@ class StageWorker(StageControl, StageModel):
         await stop_tasks(*self._loops, *self._side_tasks)
         if self._downstream is not None:
             await self._downstream.close()
+        if isinstance(self.runner, MirroredRunner):
+            await self.mlx.run(self.runner.stop_followers)
 
     # -- connections ---------------------------------------------------------------------------
 
@@ -285,7 +290,10 @@ class StageWorker(StageControl, StageModel):
             pass  # receiving it was the point: the deadline in _receive starts again
         elif isinstance(command, TraceDump):
             # Events can be many: they travel as a JSON byte tensor, not as metadata.
-            payload = np.frombuffer(json.dumps(self.trace.take()).encode(), dtype=np.uint8)
+            events = self.trace.take()
+            if isinstance(self.runner, MirroredRunner):  # each rank's track too
+                events += await self.mlx.run(self.runner.follower_events)
+            payload = np.frombuffer(json.dumps(events).encode(), dtype=np.uint8)
             await send_reply(channel, TraceReply(rid=command.rid), payload)
 
     def _arrived(self, sent_at: float | None, message: Message) -> None:
@@ -317,9 +325,7 @@ class StageWorker(StageControl, StageModel):
                         await self.mlx.run(functools.partial(self.runner.forget, entry))
             elif isinstance(item, ReleaseAllWork):
                 self._failed.clear()
-                for held in list(self.kv.reserved):
-                    self.kv.release(held)
-                self.kv.pinned.clear()
+                self.kv.clear()
                 self.clock.set_active(0, time.monotonic())
                 if self.runner is not None:
                     await self.mlx.run(self.runner.release_all)
