@@ -409,3 +409,51 @@ def test_a_role_edit_from_stage_to_standby_restarts_the_worker(tmp_path: Path) -
     )
     # Applied, the standby plans nothing more on later passes.
     assert plan(after, running(stage=after.stage)) == ()
+
+
+# -- a tensor-parallel rank --------------------------------------------------------------------
+
+RANK_1 = replace(
+    STAGE,
+    node_id="s0-r1",
+    tp_rank=1,
+    tp_ring=("10.0.0.2:19002", "10.0.0.5:19002"),
+    tp_nodes=("s0", "s0-r1"),
+)
+
+
+def test_a_tensor_parallel_stage_restarts_rather_than_changing_in_place() -> None:
+    # Its ranks shard the layers together: a new budget (in place for a stage of one rank)
+    # starts the rank again.
+    wanted = replace(RANK_1, kv_budget_bytes=1 << 20)
+    assert plan(stage_node(wanted), running(stage=RANK_1))[:2] == (
+        StopStage("a tensor-parallel stage's settings changed; its ranks start again together"),
+        StartStage(wanted),
+    )
+    assert plan(stage_node(RANK_1), running(stage=RANK_1)) == ()
+
+
+def test_a_stage_that_lost_a_rank_starts_again() -> None:
+    lost = ObservedState("g1", POLICY, RANK_1, None, True, ring_lost=True)
+    assert plan(stage_node(RANK_1), lost) == (
+        StopStage("a tensor-parallel rank of this stage was lost"),
+        StartStage(RANK_1),
+    )
+
+
+def test_a_2d_toml_gives_each_rank_its_ring(tmp_path: Path) -> None:
+    from tests.test_cluster_config import _grid, _toml
+
+    cluster = parse_cluster_config(_toml({"tensor_parallel_size": 2}, _grid()), "t")
+    host = load_host_settings(tmp_path, environ={})
+    node = cluster.find_node("s1-r1")
+    assert node is not None
+    config = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 64,
+              "intermediate_size": 128, "num_attention_heads": 4, "vocab_size": 256}  # fmt: skip
+    stage = desired_state(cluster, host, node, config, "g1").stage
+    assert stage is not None
+    assert (stage.stage, stage.tp_rank, stage.tp_nodes) == (1, 1, ("s1-r0", "s1-r1"))
+    assert stage.tp_ring == ("10.0.2.1:8081", "10.0.2.2:8081")
+    coordinator = desired_state(cluster, host, cluster.coordinator, config, "g1").coordinator
+    assert coordinator is not None
+    assert [s.node_id for s in coordinator.stages] == ["s0-r0", "s1-r0"]

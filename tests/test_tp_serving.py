@@ -1,15 +1,14 @@
 """Serving with tensor-parallel stages (2D PP x TP): real stage processes joined by MLX's ring
 backend on loopback, rank 0 of each stage on the encrypted transport, the others following it.
 
-The model is a tiny llama (4 heads, 2 KV heads: it shards over 2 ranks) that speaks through
-the embedded model's tokenizer, so the chat API serves it; its greedy text is compared with
-single-process mlx-lm's on the same weights.
+The model is ``chat_llama`` (tests/conftest.py: a tiny llama, 4 heads and 2 KV heads, so it
+shards over 2 ranks, that speaks through the embedded model's tokenizer, so the chat API serves
+it); its greedy text is compared with single-process mlx-lm's on the same weights.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -23,34 +22,13 @@ import pytest
 
 from mlxppd.runtime.local_cluster import free_port
 from mlxppd.wire.secret import write_new_secret
-from tests.conftest import write_tiny_model
 from tests.reference_support import greedy_answers
 
 pytestmark = pytest.mark.slow
 
 QUESTION = "What is the capital of France?"
-CHAT_LLAMA: dict[str, Any] = {
-    "model_type": "llama",
-    "hidden_size": 64,
-    "num_hidden_layers": 4,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "rms_norm_eps": 1e-5,
-    "vocab_size": 49152,  # the embedded tokenizer's
-    "rope_theta": 10000.0,
-    "tie_word_embeddings": False,
-}
 #: s1-r1's KV budget: room for the short request, not for a long one
 SMALL_BUDGET = 24 * 1024
-
-
-@pytest.fixture(scope="module")
-def chat_llama(tmp_path_factory: pytest.TempPathFactory, embedded_model_dir: Path) -> Path:
-    model = write_tiny_model(tmp_path_factory.mktemp("chat-llama"), CHAT_LLAMA)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(embedded_model_dir / name, model / name)
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -247,15 +225,46 @@ def test_metrics_carry_each_slot_and_the_trace_has_a_track_per_slot(
     assert {"stage-0", "stage-1", "stage-0 rank 1", "stage-1 rank 1"} <= tracks, tracks
 
 
-def test_a_local_2x2_cluster_answers_as_single_process_mlx_lm(
-    chat_llama: Path, cli_env: dict[str, str], reference: dict[tuple[str, int], str]
+def _child_with(parent: int, text: str) -> int:
+    """The pid of ``parent``'s child whose command line holds ``text``."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and text in cmdline:
+            return int(stat.parent.name)
+    raise AssertionError(f"no child of {parent} runs {text!r}")
+
+
+def test_a_local_2x2_cluster_answers_and_restarts_a_stage_whose_rank_died(
+    chat_llama: Path,
+    cli_env: dict[str, str],
+    tmp_path: Path,
+    reference: dict[tuple[str, int], str],
 ) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "mlxppd.cli.mlxppd_main", "serve", "--pp-size", "2",
-         "--tp-size", "2", "--model", str(chat_llama), "--port", "0", "--once", QUESTION,
-         "--max-tokens", "24"],
-        capture_output=True, text=True, env=cli_env, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().splitlines()[-1] == reference[(QUESTION, 24)].strip()
-    assert done.stderr.count("rank 0 stopped after") == 2, done.stderr[-3000:]
+    from tests.cluster_support import kill, start_cluster, wait_gone
+
+    expected = reference[(QUESTION, 24)]
+    running = start_cluster(
+        tmp_path, cli_env, "--pp-size", "2", "--tp-size", "2", "--model", str(chat_llama)
+    )
+    try:
+        first = chat(running.url, QUESTION, 24)
+        assert first.json()["choices"][0]["message"]["content"] == expected
+        # A rank that dies takes its stage's other rank down; both start again together.
+        follower = _child_with(running.proc.pid, "--node-id stage-1-rank-1")
+        kill(follower)
+        assert wait_gone([follower]) == []
+        deadline = time.monotonic() + 180
+        while "failover: reconnected" not in running.log():
+            assert time.monotonic() < deadline, running.log()[-3000:]
+            time.sleep(0.2)
+        again = chat(running.url, QUESTION, 24)
+        assert again.status_code == 200, again.text
+        assert again.json()["choices"][0]["message"]["content"] == expected
+        assert _child_with(running.proc.pid, "--node-id stage-1-rank-1") != follower
+    finally:
+        assert running.stop() == 0, running.log()[-3000:]
+    assert running.log().count("rank 0 stopped after") >= 2, running.log()[-3000:]

@@ -133,15 +133,20 @@ class MirroredRunner(StageRunner):
         self.group = group
         # A call made from inside another (keep releases its sequence) is the follower's too.
         self._depth = 0
+        #: the ring failed under a call: another rank is gone, and this stage with it
+        self.broken = False
 
     def _mirrored(
         self, op: Op, meta: dict[str, Any], x: mx.array | None, call: Callable[[], Any]
     ) -> Any:
-        if self._depth == 0:
-            _announce(self.group, op, meta, x)
         self._depth += 1
         try:
+            if self._depth == 1:
+                _announce(self.group, op, meta, x)
             return call()
+        except RuntimeError as exc:
+            self.broken = self.broken or str(exc).startswith("[ring]")
+            raise
         finally:
             self._depth -= 1
 

@@ -156,9 +156,13 @@ async def run_stage_node(options: NodeOptions) -> int:
         stop = stop_event()
         worker, address = await start_stage_worker(setup, mlx)
         write_ready(options.ready_file, f"{address[0]}:{address[1]}\n")
-        await stop.wait()
+        ends = [asyncio.ensure_future(e.wait()) for e in (stop, worker.ring_lost)]
+        await asyncio.wait(ends, return_when=asyncio.FIRST_COMPLETED)
+        for end in ends:
+            end.cancel()
         await worker.close()
-        return 0
+        # A lost rank: exit with an error, so whoever runs the stage starts its ranks again.
+        return 1 if worker.ring_lost.is_set() else 0
     finally:
         mlx.close()
 

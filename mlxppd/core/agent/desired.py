@@ -87,12 +87,6 @@ def desired_state(
     ``model_config`` None: this host holds no copy of the model yet. A stage node then runs a
     worker holding no layers that ``mlxppctl prepare`` can ship the model to; the coordinator's
     host holds the cluster's copy, so it cannot be without one."""
-    if cluster.cluster.tensor_parallel_size > 1:
-        raise ConfigurationError(
-            "the agent serves pipeline-only clusters; set tensor_parallel_size = 1",
-            source=CLUSTER_FILE,
-            key="cluster.tensor_parallel_size",
-        )
     transport = cluster.cluster.transport_backend
     if model_config is None:
         return _awaiting_model(cluster, host, node, generation)
@@ -128,8 +122,21 @@ def desired_state(
         kv_budget_bytes=host.kv_budget_bytes or cluster.cluster.kv_budget_bytes,
         cpu_weights=host.cpu_weights or cluster.cluster.cpu_weights,
         max_sequences=host.max_sequences,
+        **_tensor_fields(cluster, node),
     )
     return DesiredState(node.id, generation, cluster.cluster.elastic, stage=stage)
+
+
+def _tensor_fields(cluster: ClusterConfig, node: Node) -> dict[str, Any]:
+    """A 2D node's place in its stage's ring (nothing for a pipeline-only cluster)."""
+    if cluster.cluster.tensor_parallel_size <= 1 or node.stage is None:
+        return {}
+    ranks = cluster.nodes_at_stage(node.stage)
+    return {
+        "tp_rank": node.tp_rank,
+        "tp_ring": tuple(n.ring_address for n in ranks),
+        "tp_nodes": tuple(n.id for n in ranks),
+    }
 
 
 def _awaiting_model(

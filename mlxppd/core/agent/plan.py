@@ -63,6 +63,12 @@ class StageTarget:
     """the directory its tensors come from: the configured model or a prepared copy"""
     awaiting_model: bool = False
     """no model files here yet: it listens holding no layers until ``mlxppctl prepare``"""
+    tp_rank: int = 0
+    """its rank in a tensor-parallel stage (0: the one the pipeline talks to)"""
+    tp_ring: tuple[str, ...] = ()
+    """every rank's ring address (host:port), rank order; empty for a stage of one rank"""
+    tp_nodes: tuple[str, ...] = ()
+    """every rank's node id, rank order; empty for a stage of one rank"""
 
     def __post_init__(self) -> None:
         if (self.stage == STANDBY_INDEX) != (self.layers is None):
@@ -75,6 +81,11 @@ class StageTarget:
     def standby(self) -> bool:
         """A standby node's worker: no layers of its own."""
         return self.stage == STANDBY_INDEX
+
+    @property
+    def tensor(self) -> bool:
+        """One rank of a tensor-parallel stage."""
+        return bool(self.tp_ring)
 
     def same_layers(self, other: StageTarget) -> bool:
         # A different weight mode means loading the layers again.
@@ -155,6 +166,8 @@ class ObservedState:
     coordinator: CoordinatorTarget | None = None
     pipeline_connected: bool = True
     """False once the coordinator lost a stage: it must reconnect"""
+    ring_lost: bool = False
+    """this tensor-parallel stage lost a rank: its ranks must start again together"""
 
 
 # -- actions -------------------------------------------------------------------------------------
@@ -248,6 +261,9 @@ def _stage_restart(want: StageTarget, have: StageTarget) -> str | None:
     if want.standby != have.standby:
         old, new = ("standby", "pipeline_stage") if have.standby else ("pipeline_stage", "standby")
         return f"this node's role changed from {old} to {new}"
+    if (want.tensor or have.tensor) and want != have:
+        # Its ranks shard the layers together and share one ring: nothing changes in place.
+        return "a tensor-parallel stage's settings changed; its ranks start again together"
     if want.standby and not want.same_layers(have):
         # A standby's layers are the coordinator's to give (or to have given): its agent never
         # reloads them; new settings for its next adoption take a fresh start.
@@ -297,6 +313,11 @@ def plan(desired: DesiredState, observed: ObservedState) -> tuple[Action, ...]:
     ports and memory), then the stage, then the coordinator, then the policy, then the
     generation (only once everything it describes is in force)."""
     stage = _stage_actions(desired.stage, observed.stage)
+    if observed.ring_lost and observed.stage is not None and desired.stage is not None:
+        stage = [
+            StopStage("a tensor-parallel rank of this stage was lost"),
+            StartStage(desired.stage),
+        ]
     coordinator = _coordinator_actions(
         desired.coordinator, observed.coordinator, observed.pipeline_connected
     )

@@ -46,6 +46,7 @@ from mlxppd.core.stages import StageSpec
 from mlxppd.engine.prepared_copy import ModelReceiver
 from mlxppd.runtime.agent.model_place import ModelPlace
 from mlxppd.runtime.agent.prepare_job import PrepareJob, Preparer
+from mlxppd.runtime.agent.tensor_follower import FollowerRun
 from mlxppd.runtime.observability.metrics import PipelineMetrics
 from mlxppd.runtime.observability.timeline import StartTimeline
 from mlxppd.runtime.pipeline.coordinator import Coordinator
@@ -60,6 +61,7 @@ from mlxppd.runtime.pipeline.node_start import (
 )
 from mlxppd.runtime.pipeline.stage_loader import load_stage_runner, stage_kv_manager
 from mlxppd.runtime.pipeline.stage_worker import StageWorker
+from mlxppd.runtime.pipeline.tp_stage import TensorPlace
 from mlxppd.runtime.system.mlx_thread import MlxThread
 from mlxppd.wire.backends import create_transport, wire_config_for
 from mlxppd.wire.secret import ClusterSecret
@@ -119,6 +121,8 @@ class NodeRuntime:
         self.metrics = metrics
         self.connect_timeout_s = connect_timeout_s
         self.worker: StageWorker | None = None
+        #: a tensor-parallel rank above 0 runs this instead of a worker
+        self.follower: FollowerRun | None = None
         self.backend: GatedBackend | None = None
         self.http: Any = None  # an object with ``async close()`` (the HTTP site)
         self.stage: StageTarget | None = None
@@ -145,10 +149,14 @@ class NodeRuntime:
         if self.coordinator is not None:
             live = self.backend.coordinator if self.backend is not None else None
             connected = live is not None and live.connected
+        stage = self.stage
+        if self.follower is not None and not self.follower.running:
+            stage = None  # rank 0 stopped: start again, to join its ring when it is back
         return ObservedState(
             generation=self.generation,
             policy=self.policy,
-            stage=self.stage,
+            stage=stage,
+            ring_lost=self.worker is not None and self.worker.ring_lost.is_set(),
             coordinator=self.coordinator,
             pipeline_connected=connected,
         )
@@ -223,11 +231,22 @@ class NodeRuntime:
             digest_cache=place.cache_dir,
             receiver=receiver,
             missing_model=missing,
+            tensor=TensorPlace(target.tp_rank, target.tp_ring, target.tp_nodes)
+            if target.tensor
+            else None,
         )
-        self.worker, _ = await start_stage_worker(setup, self.mlx, extras=self._stage_extras)
+        if self.follower is not None:
+            await self.follower.stop(0)
+        if target.tp_rank > 0:
+            self.follower = FollowerRun(setup)
+        else:
+            self.worker, _ = await start_stage_worker(setup, self.mlx, extras=self._stage_extras)
         self.stage = target
 
     async def _stop_stage(self, drain_timeout_s: float) -> None:
+        if self.follower is not None:
+            await self.follower.stop(drain_timeout_s)
+            self.follower, self.stage = None, None
         if self.worker is None:
             return
         if not await self.worker.drain(drain_timeout_s):

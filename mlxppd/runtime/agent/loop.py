@@ -197,6 +197,8 @@ class Agent:
     def serving(self) -> bool:
         rt = self.runtime
         if rt.stage is not None:
+            if rt.follower is not None:
+                return rt.follower.following and rt.follower.running
             return rt.worker is not None
         if rt.coordinator is not None:
             return rt.http is not None and rt.observed().pipeline_connected
@@ -290,7 +292,12 @@ class Agent:
             return f"{_standby_line(rt.held_spec())}, config {generation}"
         if rt.stage is not None and rt.stage.layers is not None:
             r = rt.stage.layers
-            return f"stage {rt.stage.stage} serving layers {r.start}-{r.last}, config {generation}"
+            rank = f" rank {rt.stage.tp_rank}" if rt.stage.tensor else ""
+            doing = "following rank 0 on" if rt.stage.tp_rank else "serving"
+            return (
+                f"stage {rt.stage.stage}{rank} {doing} layers {r.start}-{r.last}, "
+                f"config {generation}"
+            )
         if rt.coordinator is not None:
             stages = len(rt.coordinator.stages)
             where = f"{rt.coordinator.http_host}:{rt.coordinator.http_port}"

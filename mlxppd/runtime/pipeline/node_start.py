@@ -142,10 +142,14 @@ async def _load_tensor_stage(setup: StageSetup, mlx: MlxThread) -> TensorStage:
     )  # fmt: skip
 
 
-async def run_tensor_follower(setup: StageSetup, mlx: MlxThread) -> int:
+async def run_tensor_follower(
+    setup: StageSetup, mlx: MlxThread, on_following: Callable[[], None] = lambda: None
+) -> int:
     """A tensor-parallel rank above 0: load its shard with the others, then mirror rank 0
-    until rank 0 stops (or the ring breaks); returns the calls it made."""
+    until rank 0 stops (or the ring breaks); returns the calls it made. ``on_following``:
+    called once its shard is loaded and it follows."""
     tensor = await _load_tensor_stage(setup, mlx)
+    on_following()
     log.info(
         "stage %d (%s) rank %d following rank 0, layers %d-%d, %.1f MB of parameters",
         setup.spec.index, setup.node_id, tensor.group.rank(), setup.spec.start,

@@ -9,6 +9,7 @@ carries control commands; on the last stage it also carries the sampled tokens b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -141,6 +142,9 @@ class StageWorker(StageControl, StageModel):
         self._heartbeat_timeout_s: float | None = None
         # A tensor-parallel stage's slots: every rank's node id and shard bytes, rank order.
         self.slot_nodes: tuple[tuple[str, int], ...] = ()
+        #: set when a tensor-parallel rank of this stage is gone: the stage cannot compute
+        #: again until its ranks start again together (the node's owner restarts it)
+        self.ring_lost = asyncio.Event()
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
         self._loops = [
@@ -197,8 +201,10 @@ class StageWorker(StageControl, StageModel):
         await stop_tasks(*self._loops, *self._side_tasks)
         if self._downstream is not None:
             await self._downstream.close()
-        if isinstance(self.runner, MirroredRunner):
-            await self.mlx.run(self.runner.stop_followers)
+        if isinstance(self.runner, MirroredRunner) and not self.runner.broken:
+            # A rank already gone cannot be told; the others' ring fails them out anyway.
+            with contextlib.suppress(RuntimeError):
+                await self.mlx.run(self.runner.stop_followers)
 
     # -- connections ---------------------------------------------------------------------------
 
@@ -392,7 +398,16 @@ class StageWorker(StageControl, StageModel):
         if self.runner is not None:
             await self.mlx.run(functools.partial(self.runner.release, seq))
 
+    def _check_ring(self) -> None:
+        if isinstance(self.runner, MirroredRunner) and self.runner.broken:
+            if not self.ring_lost.is_set():
+                log.error(
+                    "stage %d: a tensor-parallel rank is gone; this stage stops", self.spec.index
+                )
+            self.ring_lost.set()
+
     async def _sequence_failed(self, seq: str, exc: Exception) -> None:
+        self._check_ring()
         self.stats.sequence_failures += 1
         log.error("stage %d: sequence %s failed: %s", self.spec.index, escape(seq), exc)
         self._failed.add(seq)
@@ -422,6 +437,7 @@ class StageWorker(StageControl, StageModel):
             # This group cannot run here (a malformed batch, a cache kind that cannot batch):
             # drop its state and tell the coordinator, which fails its requests cleanly.
             log.error("stage %d: micro-batch %s failed: %s", self.spec.index, meta.group, exc)
+            self._check_ring()
             for seq in meta.seqs:
                 await self._release_here(seq)
             error = GroupFailure(group=meta.group, seqs=meta.seqs, message=clip(str(exc), 1000))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,9 @@ from mlxppd.runtime.system.mlx_thread import MlxThread
 __all__ = ["TensorPlace", "TensorStage", "load_tp_stage", "tensor_place"]
 
 log = logging.getLogger("mlxppd.stage")
+
+#: how long a rank keeps trying to join its stage's ring
+JOIN_TIMEOUT_S = 900.0
 
 
 @dataclass(frozen=True)
@@ -79,7 +83,18 @@ def _join(place: TensorPlace, workdir: Path) -> mx.distributed.Group:
     hosts.write_text(hostfile(list(place.ring)))
     os.environ["MLX_RANK"] = str(place.rank)
     os.environ["MLX_HOSTFILE"] = str(hosts)
-    return init_group(len(place.ring))
+    # A rank gives up connecting after about 30 s; the others may start minutes later (one
+    # agent per host), so it tries again until JOIN_TIMEOUT_S.
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    while True:
+        try:
+            return init_group(len(place.ring))
+        except RuntimeError as exc:
+            if time.monotonic() > deadline or not str(exc).startswith("[ring]"):
+                raise
+            log.info(
+                "rank %d: the other ranks are not there yet (%s); trying again", place.rank, exc
+            )
 
 
 async def load_tp_stage(
