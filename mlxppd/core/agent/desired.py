@@ -136,6 +136,7 @@ def _tensor_fields(cluster: ClusterConfig, node: Node) -> dict[str, Any]:
         "tp_rank": node.tp_rank,
         "tp_ring": tuple(n.ring_address for n in ranks),
         "tp_nodes": tuple(n.id for n in ranks),
+        "tp_addresses": tuple(n.address for n in ranks),
     }
 
 

@@ -69,6 +69,8 @@ class StageTarget:
     """every rank's ring address (host:port), rank order; empty for a stage of one rank"""
     tp_nodes: tuple[str, ...] = ()
     """every rank's node id, rank order; empty for a stage of one rank"""
+    tp_addresses: tuple[str, ...] = ()
+    """every rank's transport address (host:port), rank order; empty for a stage of one rank"""
 
     def __post_init__(self) -> None:
         if (self.stage == STANDBY_INDEX) != (self.layers is None):

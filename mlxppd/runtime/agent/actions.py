@@ -231,7 +231,7 @@ class NodeRuntime:
             digest_cache=place.cache_dir,
             receiver=receiver,
             missing_model=missing,
-            tensor=TensorPlace(target.tp_rank, target.tp_ring, target.tp_nodes)
+            tensor=TensorPlace(target.tp_rank, target.tp_ring, target.tp_nodes, target.tp_addresses)
             if target.tensor
             else None,
         )

@@ -24,6 +24,7 @@ from mlxppd.core.stages import StageSpec
 from mlxppd.engine.prepared_copy import ModelReceiver
 from mlxppd.engine.stage_runner import StageRunner
 from mlxppd.engine.tokenizer import load_tokenizer
+from mlxppd.engine.tp_mirror import Announce
 from mlxppd.runtime.observability.metrics import PipelineMetrics
 from mlxppd.runtime.observability.timeline import StartTimeline
 from mlxppd.runtime.pipeline.coordinator import Coordinator
@@ -31,12 +32,13 @@ from mlxppd.runtime.pipeline.failover import FailoverSettings, survivors_replan
 from mlxppd.runtime.pipeline.identity_check import IdentityReference
 from mlxppd.runtime.pipeline.stage_loader import layer_preparer, load_stage_runner, stage_kv_manager
 from mlxppd.runtime.pipeline.stage_worker import StageWorker
-from mlxppd.runtime.pipeline.tp_stage import (
-    TensorPlace,
-    TensorStage,
+from mlxppd.runtime.pipeline.tp_links import (
+    FollowerLinks,
+    FollowerTrace,
+    RankZeroInbox,
     follow_rank_zero,
-    load_tp_stage,
 )
+from mlxppd.runtime.pipeline.tp_stage import TensorPlace, TensorStage, load_tp_stage
 from mlxppd.runtime.system.mlx_thread import MlxThread
 from mlxppd.runtime.system.open_files import raise_open_file_limit
 from mlxppd.wire.backends import create_transport, wire_config_for
@@ -83,10 +85,15 @@ async def start_stage_worker(
     spec = setup.spec
     runner: StageRunner | None = None
     per_token = 0
-    tensor = None
+    transport = create_transport(
+        setup.transport, wire_config_for(setup.cluster, setup.node_id, setup.secret)
+    )
+    tensor = links = None
     if setup.tensor is not None:
-        tensor = await _load_tensor_stage(setup, mlx)
+        links = FollowerLinks(transport)
+        tensor = await _load_tensor_stage(setup, mlx, links.announce)
         runner, kv = tensor.runner, tensor.kv
+        await links.connect(setup.tensor.node_ids, setup.tensor.addresses)
     elif not spec.is_standby:  # a standby loads a lost stage's layers when it adopts them
         runner, per_token = await load_stage_runner(
             mlx, setup.model_dir, spec, setup.model_config, weights=setup.cpu_weights,
@@ -94,9 +101,6 @@ async def start_stage_worker(
         )  # fmt: skip
     if tensor is None:
         kv = stage_kv_manager(spec, per_token, setup.kv_budget_bytes, setup.max_sequences)
-    transport = create_transport(
-        setup.transport, wire_config_for(setup.cluster, setup.node_id, setup.secret)
-    )
     prepare = None
     # A tensor-parallel stage's layers are fixed while it runs: its ranks load together.
     if setup.missing_model is None and tensor is None:
@@ -114,8 +118,10 @@ async def start_stage_worker(
         receiver=setup.receiver, missing_model=setup.missing_model,
         tokenizer=functools.partial(load_tokenizer, setup.model_dir),
     )  # fmt: skip
-    if tensor is not None and setup.tensor is not None:
+    if tensor is not None and setup.tensor is not None and links is not None:
         worker.slot_nodes = tuple(zip(setup.tensor.node_ids, tensor.slot_bytes, strict=True))
+        worker.followers = links
+        links.on_lost = worker.rank_lost
     address = await worker.start(setup.host, setup.port)
     if setup.missing_model is not None:
         log.warning(
@@ -133,12 +139,14 @@ async def start_stage_worker(
     return worker, address
 
 
-async def _load_tensor_stage(setup: StageSetup, mlx: MlxThread) -> TensorStage:
+async def _load_tensor_stage(
+    setup: StageSetup, mlx: MlxThread, announce: Announce | None = None
+) -> TensorStage:
     assert setup.tensor is not None
     return await load_tp_stage(
         mlx, setup.tensor, setup.model_dir, setup.spec, setup.model_config,
         budget_bytes=setup.kv_budget_bytes, max_sequences=setup.max_sequences,
-        weights=setup.cpu_weights, digest_cache=setup.digest_cache,
+        weights=setup.cpu_weights, digest_cache=setup.digest_cache, announce=announce,
     )  # fmt: skip
 
 
@@ -148,14 +156,28 @@ async def run_tensor_follower(
     """A tensor-parallel rank above 0: load its shard with the others, then mirror rank 0
     until rank 0 stops (or the ring breaks); returns the calls it made. ``on_following``:
     called once its shard is loaded and it follows."""
-    tensor = await _load_tensor_stage(setup, mlx)
-    on_following()
-    log.info(
-        "stage %d (%s) rank %d following rank 0, layers %d-%d, %.1f MB of parameters",
-        setup.spec.index, setup.node_id, tensor.group.rank(), setup.spec.start,
-        setup.spec.end - 1, tensor.runner.stage.parameter_bytes / 1e6,
-    )  # fmt: skip
-    return await follow_rank_zero(mlx, tensor, setup.spec)
+    assert setup.tensor is not None
+    transport = create_transport(
+        setup.transport, wire_config_for(setup.cluster, setup.node_id, setup.secret)
+    )
+    # Listening first: rank 0 connects as soon as every rank has loaded.
+    inbox = RankZeroInbox(setup.tensor.node_ids[0])
+    await inbox.listen(transport, setup.host, setup.port)
+    try:
+        tensor = await _load_tensor_stage(setup, mlx)
+        on_following()
+        log.info(
+            "stage %d (%s) rank %d following rank 0, layers %d-%d, %.1f MB of parameters",
+            setup.spec.index, setup.node_id, tensor.group.rank(), setup.spec.start,
+            setup.spec.end - 1, tensor.runner.stage.parameter_bytes / 1e6,
+        )  # fmt: skip
+        channel = await inbox.channel
+        trace = FollowerTrace(setup.spec.index, tensor.group.rank())
+        calls = await follow_rank_zero(mlx, channel, tensor.runner, tensor.group, trace)
+        log.info("rank %d: rank 0 stopped after %d calls here", tensor.group.rank(), calls)
+        return calls
+    finally:
+        await inbox.close()
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from mlxppd.engine.stage import load_stage
 from mlxppd.engine.stage_digest import stage_identity
 from mlxppd.engine.stage_runner import StageRunner
 from mlxppd.engine.tensor_parallel import shard_stage
-from mlxppd.engine.tp_mirror import MirroredRunner
+from mlxppd.engine.tp_mirror import Announce, MirroredRunner
 from mlxppd.runtime.system.mlx_thread import MlxThread
 
 log = logging.getLogger("mlxppd.stage")
@@ -46,6 +46,7 @@ async def load_stage_runner(
     weights: CpuWeights = CpuWeights.AUTO,
     digest_cache: Path | None = None,
     group: mx.distributed.Group | None = None,
+    announce: Announce | None = None,
 ) -> tuple[StageRunner, int]:
     """The stage's runner and its KV bytes per token, loaded on the mlx thread.
 
@@ -72,7 +73,9 @@ async def load_stage_runner(
         )  # fmt: skip
         per_token = kv_bytes_per_token(stage, int(text_config(config)["hidden_size"]))
         if group is not None and group.rank() == 0:
-            return MirroredRunner(stage, group), per_token
+            if announce is None:
+                raise ValueError("rank 0 of a tensor-parallel stage needs a way to its ranks")
+            return MirroredRunner(stage, group, announce), per_token
         return StageRunner(stage), per_token
 
     return await mlx.run(load)

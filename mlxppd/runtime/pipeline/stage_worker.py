@@ -9,7 +9,6 @@ carries control commands; on the last stage it also carries the sampled tokens b
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import json
 import logging
@@ -76,6 +75,7 @@ from mlxppd.runtime.pipeline.stage_work import (
     StageStats,
     SwapWork,
 )
+from mlxppd.runtime.pipeline.tp_links import FollowerLinks
 from mlxppd.runtime.pipeline.work_queue import WorkQueue
 from mlxppd.runtime.system.mlx_thread import MlxThread
 from mlxppd.wire.channel import SecureChannel
@@ -145,6 +145,8 @@ class StageWorker(StageControl, StageModel):
         #: set when a tensor-parallel rank of this stage is gone: the stage cannot compute
         #: again until its ranks start again together (the node's owner restarts it)
         self.ring_lost = asyncio.Event()
+        #: rank 0 of a tensor-parallel stage: its links to the other ranks
+        self.followers: FollowerLinks | None = None
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
         self._loops = [
@@ -201,10 +203,8 @@ class StageWorker(StageControl, StageModel):
         await stop_tasks(*self._loops, *self._side_tasks)
         if self._downstream is not None:
             await self._downstream.close()
-        if isinstance(self.runner, MirroredRunner) and not self.runner.broken:
-            # A rank already gone cannot be told; the others' ring fails them out anyway.
-            with contextlib.suppress(RuntimeError):
-                await self.mlx.run(self.runner.stop_followers)
+        if self.followers is not None:
+            await self.followers.close()  # each other rank sees its link close and stops
 
     # -- connections ---------------------------------------------------------------------------
 
@@ -400,11 +400,16 @@ class StageWorker(StageControl, StageModel):
 
     def _check_ring(self) -> None:
         if isinstance(self.runner, MirroredRunner) and self.runner.broken:
-            if not self.ring_lost.is_set():
-                log.error(
-                    "stage %d: a tensor-parallel rank is gone; this stage stops", self.spec.index
-                )
-            self.ring_lost.set()
+            self.rank_lost("a tensor-parallel rank is gone")
+
+    def rank_lost(self, why: str) -> None:
+        """A tensor-parallel rank of this stage is gone: nothing more computes here until the
+        stage's ranks start again together (whoever runs this node restarts it)."""
+        if isinstance(self.runner, MirroredRunner):
+            self.runner.broken = True
+        if not self.ring_lost.is_set():
+            log.error("stage %d: %s; this stage stops", self.spec.index, why)
+        self.ring_lost.set()
 
     async def _sequence_failed(self, seq: str, exc: Exception) -> None:
         self._check_ring()

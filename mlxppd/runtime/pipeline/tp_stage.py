@@ -4,7 +4,8 @@ what each (stage, rank) slot holds.
 Every rank of the stage runs ``load_tp_stage`` at once (sharding and the KV probe are
 collectives), then they exchange what they hold and what KV they may use, so rank 0 can admit
 for every slot (``core/kv_admission.py``'s ``SlotKvManager``). Rank 0 then serves as any stage
-does; the others follow it (``engine/tp_mirror.py``) until it stops or their ring breaks.
+does; the others follow it (``engine/tp_mirror.py``, over ``tp_links.py``) until it stops or
+their ring breaks.
 """
 
 from __future__ import annotations
@@ -26,8 +27,7 @@ from mlxppd.core.kv_admission import UNLIMITED_BYTES, SlotKvManager, StageKvMana
 from mlxppd.core.stages import StageSpec
 from mlxppd.engine.stage_runner import StageRunner
 from mlxppd.engine.tensor_parallel import hostfile, init_group, tp_address_warning, tp_refusal
-from mlxppd.engine.tp_mirror import follow, gather_ints
-from mlxppd.runtime.observability.trace import TraceBuffer, now_us
+from mlxppd.engine.tp_mirror import Announce, gather_ints
 from mlxppd.runtime.pipeline.stage_loader import load_stage_runner
 from mlxppd.runtime.system.mlx_thread import MlxThread
 
@@ -48,6 +48,9 @@ class TensorPlace:
     """every rank's ring address (host:port), rank order"""
     node_ids: tuple[str, ...]
     """every rank's node id, rank order"""
+    addresses: tuple[str, ...]
+    """every rank's transport address (host:port), rank order: rank 0 announces its calls to
+    the others there"""
 
 
 def tensor_place(cluster: ClusterConfig, node: Node) -> TensorPlace | None:
@@ -59,6 +62,7 @@ def tensor_place(cluster: ClusterConfig, node: Node) -> TensorPlace | None:
         rank=node.tp_rank,
         ring=tuple(n.ring_address for n in ranks),
         node_ids=tuple(n.id for n in ranks),
+        addresses=tuple(n.address for n in ranks),
     )
 
 
@@ -108,9 +112,10 @@ async def load_tp_stage(
     max_sequences: int,
     weights: CpuWeights,
     digest_cache: Path | None,
+    announce: Announce | None = None,
 ) -> TensorStage:
     """Join the ring (blocks until every rank has), load and shard the stage's layers, and
-    agree on every slot's bytes and KV limits."""
+    agree on every slot's bytes and KV limits. ``announce``: rank 0's way to its followers."""
     refusal = tp_refusal(config, len(place.ring))
     if refusal is not None:
         raise ConfigurationError(refusal, key="cluster.tensor_parallel_size")
@@ -121,8 +126,9 @@ async def load_tp_stage(
         spec.index, place.rank, group.size(), ", ".join(place.ring),
     )  # fmt: skip
     runner, per_token = await load_stage_runner(
-        mlx, model_dir, spec, config, weights=weights, digest_cache=digest_cache, group=group
-    )
+        mlx, model_dir, spec, config, weights=weights, digest_cache=digest_cache, group=group,
+        announce=announce,
+    )  # fmt: skip
     mine = [runner.stage.parameter_bytes, budget_bytes or UNLIMITED_BYTES, max_sequences, per_token]
     table = await mlx.run(lambda: gather_ints(mine, group))
     slots = [
@@ -135,30 +141,3 @@ async def load_tp_stage(
         rank=place.rank, others=[s for s in slots if s is not own],
     )  # fmt: skip
     return TensorStage(group, runner, kv, tuple(row[0] for row in table))
-
-
-class FollowerTrace:
-    """A follower's calls as trace spans, on its own track (``stage-S rank R``); rank 0
-    collects them with its own when the coordinator asks for the stages' events."""
-
-    def __init__(self, stage: int, rank: int) -> None:
-        self.stage = stage
-        # Recorded whether or not anyone asks: bounded, the newest calls are the ones dropped.
-        self.buffer = TraceBuffer(f"stage-{stage} rank {rank}", enabled=True, max_events=20_000)
-
-    def begin(self) -> float:
-        return now_us()
-
-    def end(self, op: str, started: float, rows: int) -> None:
-        self.buffer.span("stage", self.stage, started, now_us(), rows=rows, call=op)
-
-    def take(self) -> list[dict[str, Any]]:
-        return self.buffer.take()
-
-
-async def follow_rank_zero(mlx: MlxThread, stage: TensorStage, spec: StageSpec) -> int:
-    """A rank other than 0: mirror rank 0 until it stops; returns the calls made."""
-    trace = FollowerTrace(spec.index, stage.group.rank())
-    calls = await mlx.run(lambda: follow(stage.runner, stage.group, trace))
-    log.info("rank %d: rank 0 stopped after %d calls here", stage.group.rank(), calls)
-    return calls
