@@ -44,6 +44,9 @@ _PLAIN = (
     "mlxpp_active_sequences",
     "mlxpp_kv_used_bytes",
     "mlxpp_kv_budget_bytes",
+    "mlxpp_slot_parameter_bytes",
+    "mlxpp_slot_kv_used_bytes",
+    "mlxpp_slot_kv_budget_bytes",
     # counters
     "mlxpp_pp_admission_rejections_total",
     "mlxpp_pp_repartition_events_total",

@@ -389,7 +389,8 @@ class NodeRuntime:
         target = self.coordinator
         if target is None:
             return {"accepted": False, "reason": "not_coordinator", "message": "not running"}
-        stage_nodes = ctx.cluster.stage_nodes()
+        # Rank 0 of each stage (a tensor-parallel stage's other ranks take no shipments).
+        stage_nodes = ctx.cluster.pipeline_nodes()
         n = len(target.layers)
         targets = [
             (node, StageSpec(i, n, r.start, r.end))
