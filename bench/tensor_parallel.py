@@ -10,8 +10,8 @@ on them) in a temporary directory. Prints two markdown tables:
   ``generate_step`` in this process, and of a served local cluster (``serve --pp-size 2``,
   ``--tp-size`` 1 and 2: real stage processes) beside ``mlx_lm.server``; ratios to mlx-lm and
   whether the tokens equal it;
-- the weight bytes each (stage, rank) slot of the served 2x2 cluster holds (from
-  ``mlxppctl status``), against the unsharded stage's.
+- the weight bytes each (stage, rank) slot of the served 2x2 cluster (blocks split evenly
+  between the stages) holds, from ``mlxppctl status``: in all, and of the model's blocks.
 On one 2-core host the ranks share the cores and their all_sum goes over loopback: tensor
 parallelism is for a stage that does not fit one host, not for speed here.
 """
@@ -104,6 +104,12 @@ def generate_row(model_dir: Path, pp: int, tp: int, n: int, env: dict[str, str])
     return speed, tokens["tokens"]
 
 
+def halves(model_dir: Path) -> str:
+    """``--pp-layers`` splitting the blocks evenly: the canonical 2x2, a quarter per rank."""
+    layers = int(json.loads((model_dir / "config.json").read_text())["num_hidden_layers"])
+    return f"0-{layers // 2 - 1},{layers // 2}-{layers - 1}"
+
+
 def serve_row(model_dir: Path, tp: int, n: int, env: dict[str, str], tmp: Path) -> Any:
     secret = tmp / f"secret-{tp}"
     subprocess.run(
@@ -111,8 +117,9 @@ def serve_row(model_dir: Path, tp: int, n: int, env: dict[str, str], tmp: Path) 
         check=True, capture_output=True, env=env,
     )  # fmt: skip
     proc, base = start_cluster(
-        model_dir, 2, env, None, "--tp-size", str(tp), "--cluster-secret-file", str(secret)
-    )
+        model_dir, 2, env, None, "--pp-layers", halves(model_dir), "--tp-size", str(tp),
+        "--cluster-secret-file", str(secret),
+    )  # fmt: skip
     try:
         chat(base, "m", "Hello", 4)  # warm
         run = chat(base, "m", PROMPT, n)

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.agent_support import NotifySocket, free_port, node_tables
+from mlxppd.runtime.local_cluster import free_port
+from tests.agent_support import NotifySocket, node_tables
 
 pytestmark = pytest.mark.slow
 

@@ -24,10 +24,10 @@ import pytest
 
 from mlxppd.core.agent.desired import config_generation
 from mlxppd.core.cpu_weights import CpuWeights
+from mlxppd.runtime.local_cluster import free_port
 from tests.agent_support import (
     VENV_BIN,
     AgentProcess,
-    free_port,
     node_tables,
     start_local_agent,
     wait_for_status,

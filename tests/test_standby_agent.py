@@ -22,11 +22,12 @@ from mlxppd.core.protocol.control import StageReport, Status
 from mlxppd.core.stages import StageSpec
 from mlxppd.runtime.agent.loop import _standby_line
 from mlxppd.runtime.agent.status import CoordinatorAdmin, CoordinatorView
+from mlxppd.runtime.local_cluster import free_port
 from mlxppd.runtime.pipeline.control_client import ControlClient
 from mlxppd.wire.backends import create_transport, wire_config_for
 from mlxppd.wire.secret import load_cluster_secret
 from mlxppd.wire.tasks import stop_tasks
-from tests.agent_support import AgentProcess, free_port, node_tables, start_local_agent
+from tests.agent_support import AgentProcess, node_tables, start_local_agent
 
 STANDBY_ID = "standby-0"
 CLUSTER = '[cluster]\npipeline_parallel_size = 2\nsecret_file = "cluster.secret"\n\n'
