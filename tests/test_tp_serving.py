@@ -267,4 +267,3 @@ def test_a_local_2x2_cluster_answers_and_restarts_a_stage_whose_rank_died(
         assert _child_with(running.proc.pid, "--node-id stage-1-rank-1") != follower
     finally:
         assert running.stop() == 0, running.log()[-3000:]
-    assert running.log().count("rank 0 stopped after") >= 2, running.log()[-3000:]
