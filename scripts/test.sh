@@ -45,12 +45,26 @@ export HF_HUB_OFFLINE=1  # tests never download from a model hub
 # which cost a quarter of the suite's CPU when every process had one per core).
 export OPENBLAS_NUM_THREADS=1
 V=.venv/bin
-echo "== ruff" >&2;          $V/ruff check . && $V/ruff format --check .
-echo "== mypy" >&2;          $V/mypy
-echo "== import layers" >&2; $V/lint-imports
-echo "== schemas" >&2;       $V/python scripts/gen_schemas.py --check
-echo "== openapi" >&2;       $V/python scripts/gen_openapi.py --check
-echo "== pytest" >&2
+# The static checks, and the wire tests on asyncio's event loop, run beside the main pytest run
+# (one process mostly, while the tests mostly wait on the clusters they start); their output
+# is printed after it, and any failure fails the command.
+side_log=$(mktemp)
+(
+  set -e
+  echo "== ruff";          $V/ruff check . && $V/ruff format --check .
+  echo "== mypy";          $V/mypy
+  echo "== import layers"; $V/lint-imports
+  echo "== schemas";       $V/python scripts/gen_schemas.py --check
+  echo "== openapi";       $V/python scripts/gen_openapi.py --check
+  if [ "$#" = 0 ]; then
+    # mlxppd runs on uvloop where it is installed; the wire must work on asyncio's loop too.
+    echo "== pytest: wire tests on asyncio's event loop"
+    MLXPP_EVENT_LOOP=asyncio $V/python -m pytest -q -p no:cacheprovider \
+      tests/test_wire_*.py tests/test_discovery.py
+  fi
+) >"$side_log" 2>&1 &
+side=$!
+echo "== pytest (static checks and asyncio wire tests beside it, reported after)" >&2
 set +e
 # Two workers, one test file each at a time (--dist loadfile: a file's module fixtures, its
 # clusters, are built once). Most tests wait on the processes they start, so two files share
@@ -58,13 +72,15 @@ set +e
 # The slowest files go first, in tests/conftest.py's order (SLOW_MODULES), not xdist's.
 $V/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder "$@"
 rc=$?
-if [ "$rc" = 0 ] && [ "$#" = 0 ]; then
-  # mlxppd runs on uvloop where it is installed; the wire must work on asyncio's loop too.
-  echo "== pytest: wire tests on asyncio's event loop" >&2
-  MLXPP_EVENT_LOOP=asyncio $V/python -m pytest -q tests/test_wire_*.py tests/test_discovery.py
-  rc=$?
-fi
+wait "$side"
+side_rc=$?
+cat "$side_log" >&2
+rm -f "$side_log"
 set -e
 # pytest's 5 means it collected no test: that is a failure, never a pass.
 [ "$rc" = 5 ] && echo "test: pytest ran no test" >&2 && exit 1
+if [ "$side_rc" != 0 ]; then
+  echo "test: a static check or the asyncio wire tests failed (output above)" >&2
+  exit "$side_rc"
+fi
 exit "$rc"

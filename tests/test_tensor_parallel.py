@@ -83,11 +83,13 @@ def test_generate_runs_the_embedded_model_over_2_stages_of_3_ranks(
     and 3 KV heads split over 3, not 2), rank 0 prints; its greedy tokens are mlx-lm's."""
     tokenizer = load_tokenizer(embedded_model_dir)
     prompt = encode_prompt(tokenizer, QUESTION, chat_template=True)
+    # Few tokens: three ranks of the embedded model on two cores are slow (the note of issue 25
+    # reports 64 of 64 by hand).
     expected = reference_tokens(
-        embedded_model_dir, prompt, 6, weights=served_weights(embedded_model_dir)
+        embedded_model_dir, prompt, 4, weights=served_weights(embedded_model_dir)
     )
     run = subprocess.run(
-        [str(VENV_BIN / "mlxppd"), "generate", "--pp-size", "2", "--tp-size", "3", "-n", "6",
+        [str(VENV_BIN / "mlxppd"), "generate", "--pp-size", "2", "--tp-size", "3", "-n", "4",
          "--json", "-p", QUESTION],
         env=cli_env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
@@ -100,10 +102,11 @@ def test_generate_runs_the_embedded_model_over_2_stages_of_3_ranks(
 def test_models_that_cannot_be_sharded_are_refused_with_their_sentence(
     tiny_model: Any, cli_env: dict[str, str]
 ) -> None:
-    def refused(*flags: str) -> str:
+    def refused(*flags: str, serve: bool = False) -> str:
         # generate and serve's local cluster refuse alike, before any process starts.
         stderr = []
-        for command in (["generate", "-p", "Hi"], ["serve", "--port", "0"]):
+        commands = [["generate", "-p", "Hi"]] + ([["serve", "--port", "0"]] if serve else [])
+        for command in commands:
             run = subprocess.run(
                 [str(VENV_BIN / "mlxppd"), *command, "--pp-size", "2", *flags],
                 env=cli_env, capture_output=True, text=True, timeout=300,
@@ -111,10 +114,10 @@ def test_models_that_cannot_be_sharded_are_refused_with_their_sentence(
             assert run.returncode == 2, run.stderr
             assert "starting stage" not in run.stderr
             stderr.append(run.stderr)
-        assert stderr[0].splitlines()[-1] == stderr[1].splitlines()[-1], stderr
+        assert all(e.splitlines()[-1] == stderr[0].splitlines()[-1] for e in stderr), stderr
         return stderr[0]
 
-    heads = refused("--tp-size", "2")  # the embedded model: 9 heads, 3 KV heads
+    heads = refused("--tp-size", "2", serve=True)  # the embedded model: 9 heads, 3 KV heads
     assert "num_attention_heads = 9 of model_type 'llama' does not split over 2" in heads
     assert "(1, 3)" in heads
     gemma = tiny_model("tp-gemma3", CASES["gemma3_text"][0])

@@ -6,6 +6,7 @@ stop string; a token's logprob entry is sent with the piece that carries its tex
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -222,3 +223,17 @@ class Generation:
         # never showed (e.g. a lone partial character).
         self.text = text
         yield Piece(text[emitted:], pending)
+
+
+async def start_all(gens: Sequence[Generation]) -> None:
+    """Start a prompt's choices together (they share its prefill). If one is refused, the
+    others are stopped before the refusal is raised, so each can be closed (an async
+    generator cannot be closed while it still waits for its first token)."""
+    tasks = [asyncio.ensure_future(gen.start()) for gen in gens]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise

@@ -25,7 +25,7 @@ from mlxppd.core.log_text import escape
 from mlxppd.core.protocol.sampling import GrammarSpec
 from mlxppd.http.admin_api import AdminApi, add_admin_routes
 from mlxppd.http.chat_prompt import chat_prompt
-from mlxppd.http.completion import ClientGone, Generation, Piece, TokenInfo
+from mlxppd.http.completion import ClientGone, Generation, Piece, TokenInfo, start_all
 from mlxppd.http.errors import (
     ADMISSION_RETRY_AFTER_S,
     ApiError,
@@ -519,7 +519,7 @@ async def _generate(
     shape = Shape(chat, state.model_name, parsed.logprobs, tools)
     try:
         # Together: the choices of one prompt share its prefill, so they start as one.
-        await asyncio.gather(*(gen.start() for gen in gens))
+        await start_all(gens)
         if parsed.stream:
             return await _stream(request, gens, shape, parsed.include_usage)
         results = await asyncio.gather(*(_collect(gen) for gen in gens))

@@ -272,6 +272,14 @@ class StageWorker(StageControl, StageModel):
         elif isinstance(command, Admit):
             await send_reply(channel, self._admit(command, message.tensor))
         elif isinstance(command, Release):
+            # The budget frees at once, as for Forget: the coordinator gives the sequence's slot
+            # to a waiting request right after, whose admission may arrive before the compute
+            # loop reaches this release (it was refused "already holds 64 sequences" at a full
+            # --parallel). A kept prefix is counted at once too; the caches go in order.
+            self.kv.release(command.seq)
+            if command.keep is not None:
+                self.kv.pin(command.keep, command.keep_tokens)
+            self.clock.set_active(len(self.kv.reserved), time.monotonic())
             await self._work.put(ReleaseWork(command.seq, command.keep, command.keep_tokens))
         elif isinstance(command, Forget):
             # The budget frees at once (an admission may follow on this channel right away);
@@ -319,11 +327,10 @@ class StageWorker(StageControl, StageModel):
                 await self._forward_group(item.meta, item.tensor)
             elif isinstance(item, ReleaseWork):
                 self._failed.discard(item.seq)
-                self.kv.release(item.seq)
-                self.clock.set_active(len(self.kv.reserved), time.monotonic())
-                if item.keep is not None and await self._keep_here(item):
-                    self.kv.pin(item.keep, item.keep_tokens)
-                else:
+                # The accounting changed when the release arrived (_dispatch).
+                if item.keep is None or not await self._keep_here(item):
+                    if item.keep is not None:
+                        self.kv.unpin(item.keep)  # not kept after all
                     await self._release_here(item.seq)
             elif isinstance(item, ForgetWork):
                 for entry in item.entries:
