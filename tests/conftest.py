@@ -119,28 +119,21 @@ TINY_LLAMA: dict[str, Any] = {
 }
 
 
-#: a tiny llama that shards over 2 tensor-parallel ranks and speaks through the embedded
-#: model's tokenizer (its vocabulary), so the chat API can serve it
-CHAT_LLAMA: dict[str, Any] = {
-    "model_type": "llama",
-    "hidden_size": 64,
-    "num_hidden_layers": 4,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "rms_norm_eps": 1e-5,
-    "vocab_size": 49152,
-    "rope_theta": 10000.0,
-    "tie_word_embeddings": False,
-}
+# A tiny llama that shards over 2 tensor-parallel ranks and speaks through the embedded
+# model's tokenizer (its vocabulary), so the chat API can serve it.
+def _chat_llama() -> dict[str, Any]:
+    from tests.family_cases import CASES
+
+    return {**CASES["llama"][0], "vocab_size": 49152}
 
 
 @pytest.fixture(scope="session")
 def chat_llama(tmp_path_factory: pytest.TempPathFactory, embedded_model_dir: Path) -> Path:
-    """``CHAT_LLAMA``'s model directory, with the embedded model's tokenizer files."""
+    """The family fixtures' tiny llama (4 heads, 2 KV heads) with the embedded model's
+    vocabulary and tokenizer files."""
     import shutil
 
-    model = write_tiny_model(tmp_path_factory.mktemp("chat-llama"), CHAT_LLAMA)
+    model = write_tiny_model(tmp_path_factory.mktemp("chat-llama"), _chat_llama())
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(embedded_model_dir / name, model / name)
     return model

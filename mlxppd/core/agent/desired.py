@@ -19,7 +19,13 @@ from mlxppd.core.partition.plan import balance_layers
 from mlxppd.core.profile.model import profile_from_config
 from mlxppd.core.stages import STANDBY_INDEX
 
-__all__ = ["cluster_layer_plan", "config_generation", "desired_state", "match_node"]
+__all__ = [
+    "cluster_layer_plan",
+    "config_generation",
+    "desired_state",
+    "match_node",
+    "tensor_fields",
+]
 
 
 def config_generation(cluster_text: bytes) -> str:
@@ -122,13 +128,14 @@ def desired_state(
         kv_budget_bytes=host.kv_budget_bytes or cluster.cluster.kv_budget_bytes,
         cpu_weights=host.cpu_weights or cluster.cluster.cpu_weights,
         max_sequences=host.max_sequences,
-        **_tensor_fields(cluster, node),
+        **tensor_fields(cluster, node),
     )
     return DesiredState(node.id, generation, cluster.cluster.elastic, stage=stage)
 
 
-def _tensor_fields(cluster: ClusterConfig, node: Node) -> dict[str, Any]:
-    """A 2D node's place in its stage's ring (nothing for a pipeline-only cluster)."""
+def tensor_fields(cluster: ClusterConfig, node: Node) -> dict[str, Any]:
+    """A 2D node's place in its stage's ring, as ``StageTarget``'s ``tp_*`` fields (nothing
+    for a pipeline-only cluster)."""
     if cluster.cluster.tensor_parallel_size <= 1 or node.stage is None:
         return {}
     ranks = cluster.nodes_at_stage(node.stage)

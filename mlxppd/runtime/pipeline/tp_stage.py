@@ -20,6 +20,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxppd.core.agent.desired import tensor_fields
 from mlxppd.core.config.cluster import ClusterConfig, Node
 from mlxppd.core.cpu_weights import CpuWeights
 from mlxppd.core.errors import ConfigurationError
@@ -55,15 +56,10 @@ class TensorPlace:
 
 def tensor_place(cluster: ClusterConfig, node: Node) -> TensorPlace | None:
     """``node``'s place in a 2D cluster (None: a pipeline-only cluster)."""
-    if cluster.cluster.tensor_parallel_size <= 1 or node.stage is None:
+    f = tensor_fields(cluster, node)
+    if not f:
         return None
-    ranks = cluster.nodes_at_stage(node.stage)
-    return TensorPlace(
-        rank=node.tp_rank,
-        ring=tuple(n.ring_address for n in ranks),
-        node_ids=tuple(n.id for n in ranks),
-        addresses=tuple(n.address for n in ranks),
-    )
+    return TensorPlace(f["tp_rank"], f["tp_ring"], f["tp_nodes"], f["tp_addresses"])
 
 
 @dataclass
