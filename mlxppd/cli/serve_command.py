@@ -351,9 +351,6 @@ def exit_now(code: int) -> None:
 
 def _node_options(args: argparse.Namespace) -> Any:
     """The flags as NodeOptions, once each is in range (``auto`` micro-batches sized later)."""
-    from mlxppd.cli.agent_command import elastic_overrides
-    from mlxppd.runtime.serve import NodeOptions
-
     micro = str(args.pp_micro_batch_size)
     if micro != "auto" and not (micro.isdigit() and 1 <= int(micro) <= 256):
         raise ConfigurationError(
@@ -377,6 +374,9 @@ def _node_options(args: argparse.Namespace) -> Any:
             named_by="--api-key-file",
             allow_loose=bool(args.allow_loose_secret_file),
         )
+    from mlxppd.cli.agent_command import elastic_overrides
+    from mlxppd.runtime.serve import NodeOptions
+
     return NodeOptions(
         model=args.model,
         cluster_file=args.distributed_config or Path("."),
@@ -408,10 +408,6 @@ def _node_options(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mlxppd.app.serve_node import run_coordinator_node
-    from mlxppd.runtime.serve import run_stage_node
-    from mlxppd.runtime.system import event_loop
-
     # Every flag given is one this mode uses (mlxppd.cli.serve_modes), before anything starts.
     mode = check_serve_flags(args)
     args = with_defaults(args)
@@ -424,6 +420,10 @@ def run(args: argparse.Namespace) -> int:
         # Every secret read in this process and in a local cluster's stage processes.
         os.environ[ENV_ALLOW_LOOSE] = "1"
     options = _node_options(args)
+    # Imported once the flags are checked: a flag error answers in a fraction of a second.
+    from mlxppd.app.serve_node import run_coordinator_node
+    from mlxppd.runtime.serve import run_stage_node
+    from mlxppd.runtime.system import event_loop
 
     if mode in (Mode.ZERO_CONFIG_COORDINATOR, Mode.ZERO_CONFIG_DRY_RUN):
         return event_loop.run(_run_auto(options, _zero_config(args)))
