@@ -261,6 +261,7 @@ def run_local_cluster(
         port_range=port_range or parse_port_range(DEFAULT_TRANSPORT_PORT_RANGE),
         transport_backend=transport_backend,
         tp=tp,
+        adapters=template.adapters,
     )
 
     async def coordinate() -> int:

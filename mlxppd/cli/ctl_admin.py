@@ -14,7 +14,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from mlxppd.cli import ctl_prepare
+from mlxppd.cli import ctl_adapter, ctl_prepare
 from mlxppd.cli.ctl_prepare import progress_line
 from mlxppd.cli.ctl_target import CoordinatorUnreachable, Target, call
 from mlxppd.core.agent.health import UNHEALTHY, overall_health
@@ -165,6 +165,7 @@ def register(subparsers: Any) -> None:
     )
     repartition.set_defaults(func=lambda args: _repartition(args, os.environ))
     ctl_prepare.register(add)
+    ctl_adapter.register(add)
 
 
 # --- the subcommands ---

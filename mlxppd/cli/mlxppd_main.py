@@ -70,6 +70,13 @@ def _generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
     cpu_weights_flag(p)
     p.add_argument(
+        "--adapter",
+        metavar="DIR",
+        help="LoRA or DoRA adapter directory (mlx_lm lora's adapter_config.json + "
+        "adapters.safetensors, or PEFT's adapter_model.safetensors): each stage reads its own "
+        "layers' tensors and fuses them into its weights",
+    )
+    p.add_argument(
         "-v",
         "--verbose",
         action="store_true",
@@ -127,6 +134,7 @@ def _generate(args: argparse.Namespace) -> int:
         tp_size=args.tp_size,
         stage_memory=args.stage_memory,
         cpu_weights=args.cpu_weights,
+        adapter=args.adapter,
         verbose=args.verbose,
         chat_template=not args.no_chat_template,
         json_output=args.json,

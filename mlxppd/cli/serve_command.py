@@ -12,6 +12,7 @@ from typing import Any
 
 from mlxppd.cli.common import cpu_weights_flag
 from mlxppd.cli.serve_modes import Mode, check_serve_flags, with_defaults
+from mlxppd.core.adapters import parse_adapter_flag
 from mlxppd.core.config.ports import (
     DEFAULT_TRANSPORT_PORT_RANGE,
     PortRange,
@@ -131,6 +132,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     cpu_weights_flag(p, default=None)
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up request at start")
     p.add_argument("--alias", help="model name reported by /v1/models (default: directory name)")
+    p.add_argument(
+        "--adapter",
+        action="append",
+        metavar="[NAME=]DIR",
+        help="a LoRA/DoRA adapter directory (mlx_lm lora's, or PEFT's): DIR is fused into every "
+        "stage's weights; NAME=DIR (repeatable) is kept apart and runs for requests whose "
+        "model is NAME. Each stage reads only its layers' tensors",
+    )
     p.add_argument(
         "--api-key",
         help="require 'Authorization: Bearer KEY' on /v1 routes (shows in ps; prefer "
@@ -311,6 +320,8 @@ def _check_values(args: argparse.Namespace, mode: Mode) -> None:
                 "in this process",
                 source="--pp-layers",
             )
+    for flag in args.adapter or ():
+        parse_adapter_flag(flag)  # NAME=DIR with a good name, before anything starts
     if args.api_key is not None and args.api_key_file is not None:
         raise ConfigurationError(
             "--api-key and --api-key-file both give the key; keep --api-key-file (a key on the "
@@ -389,6 +400,7 @@ def _node_options(args: argparse.Namespace) -> Any:
         parallel=args.parallel,
         warmup=not args.no_warmup,
         alias=args.alias,
+        adapters=tuple(args.adapter or ()),
         api_key=api_key,
         ready_file=args.ready_file,
         once_prompt=args.once,

@@ -102,15 +102,16 @@ FLAGS_USED: dict[Mode, frozenset[str]] = {
         | _PIPELINE
         | _LAYERS
         | {"pp_size", "pp_layers", "tp_size", "transport_port_range", "transport_backend"}
+        | {"adapter"}
     ),
     Mode.STAGE: frozenset(
-        _COMMON | _SECRET | _LAYERS | {"distributed_config", "node_id", "pp_peer"}
+        _COMMON | _SECRET | _LAYERS | {"distributed_config", "node_id", "pp_peer", "adapter"}
     ),
     Mode.COORDINATOR: frozenset(
-        _COMMON | _SECRET | _HTTP | _PIPELINE | {"distributed_config", "node_id"}
+        _COMMON | _SECRET | _HTTP | _PIPELINE | {"distributed_config", "node_id", "adapter"}
     ),
     Mode.ZERO_CONFIG_COORDINATOR: frozenset(
-        _COMMON | _SECRET | _HTTP | _PIPELINE | _ZERO | _PLANNING | {"transport_backend"}
+        _COMMON | _SECRET | _HTTP | _PIPELINE | _ZERO | _PLANNING | {"transport_backend", "adapter"}
     ),
     Mode.ZERO_CONFIG_DRY_RUN: frozenset(
         {"model", "log_level", "host", "port", "dry_run", "transport_backend"}

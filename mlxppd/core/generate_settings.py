@@ -33,6 +33,9 @@ class GenerateSettings(StrictModel):
     cpu_weights: CpuWeights = Field(
         CpuWeights.AUTO, description="weights on a CPU host: auto, native or float32"
     )
+    adapter: str | None = Field(
+        None, description="LoRA adapter directory fused into the stages' weights; None = none"
+    )
     verbose: bool = Field(False, description="log the partition quality report once loaded")
     chat_template: bool = Field(True, description="wrap the prompt in the model's chat template")
     json_output: bool = Field(False, description="print one JSON object instead of streaming text")
@@ -44,5 +47,10 @@ class GenerateSettings(StrictModel):
                 "give either --pp-size or --pp-layers, not both "
                 "(--pp-layers fixes the stage count)",
                 source="--pp-layers",
+            )
+        if self.adapter is not None and self.tp_size > 1:
+            raise ConfigurationError(
+                "adapters run on stages of one rank; drop --adapter or --tp-size",
+                source="--adapter",
             )
         return self

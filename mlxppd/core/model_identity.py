@@ -56,6 +56,11 @@ class StageIdentity(StrictModel):
     tensors_sha256: Sha256 = Field(description="SHA-256 over its tensors' records, name order")
     tensors: Count
     nbytes: Count = Field(description="checkpoint bytes of those tensors")
+    adapters: dict[Annotated[str, Field(max_length=64)], Sha256] = Field(
+        default_factory=dict,
+        max_length=65,
+        description="SHA-256 of each adapter over the stage's layers, by name ('' = fused)",
+    )
 
     def short(self) -> str:
         """The digest as a log line shows it."""
@@ -120,11 +125,33 @@ def difference(expected: StageIdentity, actual: StageIdentity) -> str | None:
         return f"it is quantized {actual.quantization}, the cluster's copy {expected.quantization}"
     if expected.layers != actual.layers:
         return f"it covers layers {actual.layers}, the cluster expects {expected.layers}"
+    adapters = _adapter_difference(expected.adapters, actual.adapters)
+    if adapters is not None:
+        return adapters
     if expected.tensors_sha256 != actual.tensors_sha256:
         return (
             f"its tensors differ: sha256 {actual.short()} over {actual.tensors} tensors, the "
             f"cluster's copy has {expected.short()} over {expected.tensors}"
         )
+    return None
+
+
+def _adapter_difference(expected: Mapping[str, str], actual: Mapping[str, str]) -> str | None:
+    """The fused adapter ('') must be the cluster's or absent on both; a named adapter both
+    hold must be the same file (one a stage lacks is loaded again, not a different model)."""
+    want, have = expected.get(""), actual.get("")
+    if want != have:
+        if have is None:
+            return f"it has no fused adapter, the cluster's has sha256 {str(want)[:16]}"
+        if want is None:
+            return f"it has a fused adapter (sha256 {have[:16]}), the cluster none"
+        return f"its fused adapter differs: sha256 {have[:16]}, the cluster's {want[:16]}"
+    for name in sorted(set(expected) & set(actual) - {""}):
+        if expected[name] != actual[name]:
+            return (
+                f"its adapter {name!r} differs: sha256 {actual[name][:16]}, the cluster's "
+                f"{expected[name][:16]}"
+            )
     return None
 
 

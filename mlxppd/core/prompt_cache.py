@@ -41,15 +41,19 @@ class PromptIndex:
         self.capacity = capacity
         self.min_reuse = min_reuse
         self._entries: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        #: what each entry was computed with (an adapter's name; "" = the base model)
+        self._tags: dict[str, str] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def match(self, prompt: Sequence[int]) -> Reuse | None:
-        """The entry sharing the longest prefix with ``prompt`` (marked used), or None."""
+    def match(self, prompt: Sequence[int], tag: str = "") -> Reuse | None:
+        """The entry of ``tag`` sharing the longest prefix with ``prompt`` (marked used)."""
         best: Reuse | None = None
         # Most recently used first: of equal prefixes, the one still warmest wins.
         for entry, tokens in reversed(self._entries.items()):
+            if self._tags.get(entry, "") != tag:
+                continue
             # The last prompt token always runs: its logits give the first sampled token.
             shared = min(common_prefix(tokens, prompt), len(prompt) - 1)
             if shared >= self.min_reuse and (best is None or shared > best.tokens):
@@ -58,22 +62,34 @@ class PromptIndex:
             self._entries.move_to_end(best.entry)
         return best
 
-    def add(self, entry: str, tokens: Sequence[int]) -> list[str]:
+    def add(self, entry: str, tokens: Sequence[int], tag: str = "") -> list[str]:
         """Record a new entry; returns the entries to forget to stay within capacity."""
         self._entries[entry] = tuple(tokens)
+        self._tags[entry] = tag
         self._entries.move_to_end(entry)
         evicted = []
         while len(self._entries) > self.capacity:
-            evicted.append(self._entries.popitem(last=False)[0])
+            gone = self._entries.popitem(last=False)[0]
+            self._tags.pop(gone, None)
+            evicted.append(gone)
         return evicted
+
+    def forget_tag(self, tag: str) -> list[str]:
+        """Drop every entry of ``tag`` (its adapter is unloaded); returns them."""
+        gone = [e for e, t in self._tags.items() if t == tag]
+        for entry in gone:
+            self.forget(entry)
+        return gone
 
     def oldest(self) -> str | None:
         return next(iter(self._entries), None)
 
     def forget(self, entry: str) -> None:
         self._entries.pop(entry, None)
+        self._tags.pop(entry, None)
 
     def clear(self) -> list[str]:
         gone = list(self._entries)
         self._entries.clear()
+        self._tags.clear()
         return gone

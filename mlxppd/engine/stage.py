@@ -7,6 +7,7 @@ only the tensors the pruned model still has are ever evaluated, i.e. read from d
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -20,6 +21,7 @@ from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.model_identity import StageIdentity
 from mlxppd.core.profile.model import read_model_config
 from mlxppd.core.stages import StageSpec
+from mlxppd.engine.adapters.stage_adapters import StageAdapters, attach_adapters
 from mlxppd.engine.cpu_weights import float32_weights, resolve_for_stage
 from mlxppd.engine.families import family_for
 from mlxppd.engine.families.base import Family, StageNet
@@ -44,6 +46,8 @@ class LoadedStage:
     """why this weight mode, for the log"""
     identity: StageIdentity | None = None
     """what it serves, from the files it read (set by the loader that hashes them)"""
+    adapters: StageAdapters | None = None
+    """its LoRA adapters: fused at load, and the per-request ones (``engine/adapters``)"""
 
     def make_cache(self) -> list[Any]:
         return self.net.make_cache()
@@ -84,6 +88,8 @@ def load_stage(
     *,
     reuse: LoadedStage | None = None,
     weights_mode: CpuWeights = CpuWeights.NATIVE,
+    adapter: Path | None = None,
+    adapters: Mapping[str, Path] | None = None,
 ) -> LoadedStage:
     """Build the stage's module and load only the tensors it owns.
 
@@ -92,9 +98,17 @@ def load_stage(
     gained are read; the layers lost go when ``reuse`` is dropped.
     ``weights_mode``: FLOAT32 dequantizes and casts the stage's tensors to float32; AUTO picks
     it on a CPU host with an optimized BLAS and room for it (``engine.cpu_weights``).
+    ``adapter``: an adapter directory fused into the weights; ``adapters``: named adapters kept
+    apart, each request choosing one (``engine/adapters``). Only the stage's layers' adapter
+    tensors are read.
     """
     config = config or read_model_config(model_dir)
     family = _family_for_split(config, spec)
+    if reuse is not None and reuse.adapters is not None:
+        if adapters is None:  # a repartition keeps the adapters requests choose
+            adapters = {n: Path(i.path) for n, i in reuse.adapters.named.items()}
+        if reuse.adapters.fused is not None:
+            reuse = None  # its weights have the fused adapter in them: read the layers again
     weights_mode, weights_reason = resolve_for_stage(weights_mode, config, spec)
 
     model_class, args_class = model_classes(config)
@@ -128,6 +142,7 @@ def load_stage(
     # Only the lazily opened tensors are read here; reused ones are already in memory.
     mx.eval(model.parameters())
     model.eval()
+    held = attach_adapters(model, spec, config, family, adapter, adapters)
     nbytes = held_bytes(model)
     return LoadedStage(
         spec=spec,
@@ -138,6 +153,7 @@ def load_stage(
         reused_tensors=reused,
         weights=weights_mode,
         weights_reason=weights_reason,
+        adapters=held,
     )
 
 

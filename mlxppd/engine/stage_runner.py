@@ -43,6 +43,27 @@ class StageRunner:
         self._group_of: dict[str, str] = {}
         #: prompt-cache entries kept for the coordinator: entry id -> (caches, tokens held)
         self._entries: dict[str, tuple[list[Any], int]] = {}
+        #: the per-request adapter each sequence runs (absent: the base model)
+        self._adapter_of: dict[str, str] = {}
+
+    def _select(self, seqs: list[str]) -> None:
+        """Tell the adapted modules which adapter each row of the next pass runs."""
+        adapters = self.stage.adapters
+        if adapters is not None and adapters.named:
+            adapters.select([self._adapter_of.get(s) for s in seqs])
+
+    def set_adapter(self, seq: str, name: str | None) -> None:
+        """``seq`` runs per-request adapter ``name`` (None: the base model) until released."""
+        if name is None:
+            self._adapter_of.pop(seq, None)
+            return
+        adapters = self.stage.adapters
+        if adapters is None or name not in adapters.named:
+            raise ValueError(f"adapter {name!r} is not loaded on this stage")
+        self._adapter_of[seq] = name
+
+    def adapter_users(self, name: str) -> int:
+        return sum(1 for n in self._adapter_of.values() if n == name)
 
     # -- micro-batches -------------------------------------------------------------------------
 
@@ -101,8 +122,12 @@ class StageRunner:
     ) -> mx.array:
         caches = self._regroup(group_id, seqs)
         if caches is not None:
+            self._select(seqs)
             return self.stage(x, caches, head)
-        rows = [self.stage(x[i : i + 1], self._caches[s], head) for i, s in enumerate(seqs)]
+        rows = []
+        for i, s in enumerate(seqs):
+            self._select([s])
+            rows.append(self.stage(x[i : i + 1], self._caches[s], head))
         return mx.concatenate(rows, axis=0)
 
     def forward_group(
@@ -150,6 +175,8 @@ class StageRunner:
         if caches is None:
             raise ValueError(f"sequence {seq} forks from {source}, which holds no caches here")
         self._caches[seq] = copy.deepcopy(caches)
+        if source in self._adapter_of:
+            self._adapter_of[seq] = self._adapter_of[source]
 
     def forward(self, seq: str, x: mx.array) -> mx.array:
         """Run this stage's layers for one sequence; the output is evaluated. On the last
@@ -157,6 +184,7 @@ class StageRunner:
         cache = self._caches.get(seq)
         if cache is None:
             cache = self._caches[seq] = self.stage.make_cache()
+        self._select([seq])
         out = self.stage(x, cache, head=False)
         mx.eval(out)
         return out
@@ -166,6 +194,7 @@ class StageRunner:
         cache = self._caches.get(seq)
         if cache is None:
             cache = self._caches[seq] = self.stage.make_cache()
+        self._select([seq])
         logits = self.stage(x, cache)[:, -1, :]
         sampler = self._samplers.get(seq, GREEDY)
         return sampler.sample(sampler.scores(logits), logprobs)
@@ -205,6 +234,7 @@ class StageRunner:
         self._entries.pop(entry, None)
 
     def release_all(self) -> None:
+        self._adapter_of.clear()
         self._entries.clear()
         self._samplers.clear()
         self._caches.clear()
@@ -213,6 +243,7 @@ class StageRunner:
 
     def release(self, seq: str) -> bool:
         self._samplers.pop(seq, None)
+        self._adapter_of.pop(seq, None)
         group_id = self._group_of.get(seq)
         if group_id is not None:
             # The batch drops the row at its next step; a group whose members are all gone

@@ -58,6 +58,8 @@ RESUME_PATH = "/admin/v1/resume"
 REPARTITION_PATH = "/admin/v1/repartition"
 EVENTS_PATH = "/admin/v1/repartition/events"
 PREPARE_PATH = "/admin/v1/prepare"
+ADAPTERS_PATH = "/admin/v1/adapters"
+ADAPTERS_UNLOAD_PATH = "/admin/v1/adapters/unload"
 #: the one unsigned route: which cluster name to sign for (no secret, no state)
 CHALLENGE_PATH = "/admin/v1/challenge"
 #: admin requests carry no real payload; refuse anything bigger before hashing it
@@ -109,6 +111,33 @@ class AdminController(Protocol):
         """Ship stage nodes what their layers need: ``{"accepted": true, "nodes": [...]}`` or
         ``{"accepted": false, "reason": ..., "message": ...}``; progress is in the status."""
         ...
+
+    async def adapter_load(self, name: str, path: str) -> dict[str, Any]:
+        """Hold a per-request adapter on every stage: ``{"accepted": true, ...}`` once
+        requests may choose it, or ``{"accepted": false, "reason": ..., "message": ...}``."""
+        ...
+
+    async def adapter_unload(self, name: str, drain_timeout_s: float) -> dict[str, Any]:
+        """Drain one adapter's requests, then drop it on every stage."""
+        ...
+
+
+class AdapterLoadRequest(StrictModel):
+    """The body of POST /admin/v1/adapters."""
+
+    name: str = Field(min_length=1, max_length=64, description="what requests send as model")
+    path: str = Field(
+        min_length=1, max_length=4096, description="the adapter directory, on every stage host"
+    )
+
+
+class AdapterUnloadRequest(StrictModel):
+    """The body of POST /admin/v1/adapters/unload."""
+
+    name: str = Field(min_length=1, max_length=64)
+    drain_timeout_s: float = Field(
+        60.0, gt=0, le=86400, description="how long its running requests may take (seconds)"
+    )
 
 
 class RepartitionRequest(StrictModel):
@@ -230,6 +259,22 @@ def add_admin_routes(
         outcome = await controller.prepare(body.max_rate_bytes_s, body.nodes)
         return _json(outcome, status=202 if outcome.get("accepted") else 409)
 
+    async def adapter_load(request: web.Request) -> web.Response:
+        try:
+            body = AdapterLoadRequest.model_validate_json(request[_BODY] or b"{}")
+        except ValidationError as exc:
+            return error_response(_invalid(exc, "invalid_adapter_request"))
+        outcome = await controller.adapter_load(body.name, body.path)
+        return _json(outcome, status=200 if outcome.get("accepted") else 409)
+
+    async def adapter_unload(request: web.Request) -> web.Response:
+        try:
+            body = AdapterUnloadRequest.model_validate_json(request[_BODY] or b"{}")
+        except ValidationError as exc:
+            return error_response(_invalid(exc, "invalid_adapter_request"))
+        outcome = await controller.adapter_unload(body.name, body.drain_timeout_s)
+        return _json(outcome, status=200 if outcome.get("accepted") else 409)
+
     async def events(request: web.Request) -> web.Response:
         try:
             after = int(request.query.get("after", "-1"))
@@ -251,6 +296,14 @@ def add_admin_routes(
     app.router.add_post(REPARTITION_PATH, guarded(REPARTITION_PATH, repartition))
     app.router.add_get(EVENTS_PATH, guarded(EVENTS_PATH, events), allow_head=False)
     app.router.add_post(PREPARE_PATH, guarded(PREPARE_PATH, prepare))
+    app.router.add_post(ADAPTERS_PATH, guarded(ADAPTERS_PATH, adapter_load))
+    app.router.add_post(ADAPTERS_UNLOAD_PATH, guarded(ADAPTERS_UNLOAD_PATH, adapter_unload))
+
+
+def _invalid(exc: ValidationError, code: str) -> ApiError:
+    first = exc.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "body"
+    return ApiError(400, f"{where}: {first['msg']}", code=code)
 
 
 def _json(document: dict[str, Any], status: int = 200) -> web.Response:

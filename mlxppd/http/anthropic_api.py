@@ -149,7 +149,7 @@ def _sampling(
         top_k=body.top_k,
     )
     max_tokens = _max_tokens(state, parsed, n_prompt, chat=True)
-    return _choice_params(parsed, max_tokens, plan)[0]
+    return _choice_params(state, parsed, max_tokens, plan)[0]
 
 
 # --- responses ---
@@ -336,7 +336,7 @@ async def _messages(request: web.Request) -> web.StreamResponse:
     gen = _MessageGeneration(
         events, tokenizer, prompt, body.stop_sequences, _gone(request), continued
     )
-    message = _Message(state.model_name, plan)
+    message = _Message(params.adapter or state.model_name, plan)
     try:
         await gen.start()  # admission: a refusal is a plain error response, even when streaming
         if body.stream:

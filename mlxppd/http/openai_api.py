@@ -38,6 +38,7 @@ from mlxppd.http.sse import SseWriter
 from mlxppd.http.tools import ContentHoldback, ToolPlan, plan_tools
 from mlxppd.http.validation import ParsedRequest, parse_chat, parse_completion, parse_json_body
 from mlxppd.runtime.observability.metrics import PipelineMetrics
+from mlxppd.runtime.pipeline.adapter_registry import AdapterRegistry
 from mlxppd.runtime.pipeline.backend import (
     AdmissionRejected,
     BackendUnavailable,
@@ -333,18 +334,28 @@ def _model_card(state: _State) -> dict[str, Any]:
     }
 
 
+def _adapter_cards(state: _State) -> list[dict[str, Any]]:
+    registry = adapter_registry(state.backend)
+    names = registry.names() if registry is not None else []
+    return [{**_model_card(state), "id": n, "parent": state.model_name} for n in names]
+
+
 async def _models(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": [_model_card(request.app[STATE])]})
+    state = request.app[STATE]
+    # The base model, then each per-request adapter (a request's model picks one).
+    cards = [_model_card(state), *_adapter_cards(state)]
+    return web.json_response({"object": "list", "data": cards})
 
 
 async def _model(request: web.Request) -> web.Response:
     state = request.app[STATE]
     name = request.match_info["model"]
-    if name not in (state.model_name, state.backend.model_id):
-        raise ApiError(
-            404, f"the model '{name}' does not exist", param="model", code="model_not_found"
-        )
-    return web.json_response(_model_card(state))
+    if name in (state.model_name, state.backend.model_id):
+        return web.json_response(_model_card(state))
+    for card in _adapter_cards(state):
+        if card["id"] == name:
+            return web.json_response(card)
+    raise ApiError(404, f"the model '{name}' does not exist", param="model", code="model_not_found")
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -379,13 +390,19 @@ async def _read_json(request: web.Request) -> dict[str, Any]:
 
 
 def _check_model(state: _State, model: str | None) -> None:
-    if model is not None and model not in (state.model_name, state.backend.model_id):
-        raise ApiError(
-            404,
-            f"the model '{model}' does not exist; this server serves '{state.model_name}'",
-            param="model",
-            code="model_not_found",
-        )
+    if model is None or model in (state.model_name, state.backend.model_id):
+        return
+    registry = adapter_registry(state.backend)
+    adapters = registry.names() if registry is not None else []
+    if model in adapters:
+        return
+    served = ", ".join(f"'{n}'" for n in [state.model_name, *adapters])
+    raise ApiError(
+        404,
+        f"the model '{model}' does not exist; this server serves {served}",
+        param="model",
+        code="model_not_found",
+    )
 
 
 def _tokenizer(state: _State) -> Any:
@@ -467,12 +484,25 @@ def _max_tokens(state: _State, parsed: ParsedRequest, n_prompt: int, chat: bool)
     return parsed.max_tokens
 
 
+def adapter_registry(backend: Any) -> AdapterRegistry | None:
+    """The cluster's per-request adapters, when the backend is (or holds) a coordinator."""
+    registry = getattr(getattr(backend, "coordinator", backend), "adapters", None)
+    return registry if isinstance(registry, AdapterRegistry) else None
+
+
 def _choice_params(
-    parsed: ParsedRequest, max_tokens: int, tools: ToolPlan | None = None
+    state: _State, parsed: ParsedRequest, max_tokens: int, tools: ToolPlan | None = None
 ) -> list[SamplingParams]:
     """One SamplingParams per choice: the request's, each choice with its own seed (choice 0
-    keeps the request's, so n=1 draws what it always drew)."""
+    keeps the request's, so n=1 draws what it always drew). The request's ``model`` picks a
+    per-request adapter when it names one; any other name is the base model."""
+    registry = adapter_registry(state.backend)
+    try:
+        adapter = registry.chosen(parsed.model) if registry is not None else None
+    except RequestRefused as exc:
+        raise ApiError(409, str(exc), param="model", code="adapter_unloading") from None
     base = SamplingParams(
+        adapter=adapter,
         max_tokens=max_tokens,
         temperature=parsed.temperature,
         top_p=parsed.top_p,
@@ -506,7 +536,7 @@ async def _generate(
     chat: bool, tools: ToolPlan | None = None,
 ) -> web.StreamResponse:  # fmt: skip
     tools = tools or ToolPlan()
-    params = _choice_params(parsed, _max_tokens(state, parsed, len(prompt), chat), tools)
+    params = _choice_params(state, parsed, _max_tokens(state, parsed, len(prompt), chat), tools)
 
     def gone() -> bool:
         transport = request.transport
@@ -516,7 +546,7 @@ async def _generate(
     streams = state.backend.generate_choices(request_id, prompt, params)
     tokenizer = state.backend.tokenizer
     gens = [Generation(s, tokenizer, len(prompt), parsed.stop, is_gone=gone) for s in streams]
-    shape = Shape(chat, state.model_name, parsed.logprobs, tools)
+    shape = Shape(chat, params[0].adapter or state.model_name, parsed.logprobs, tools)
     try:
         # Together: the choices of one prompt share its prefill, so they start as one.
         await start_all(gens)

@@ -84,17 +84,24 @@ def load_pipeline(
     specs: tuple[StageSpec, ...],
     log: Log,
     weights: CpuWeights = CpuWeights.NATIVE,
+    adapter: Path | None = None,
 ) -> InProcessPipeline:
     config = read_model_config(model_dir)
     stages: list[LoadedStage] = []
     for spec in specs:
         started = time.perf_counter()
-        stage = load_stage(model_dir, spec, config, weights_mode=weights)
+        stage = load_stage(model_dir, spec, config, weights_mode=weights, adapter=adapter)
         log(
             f"stage {spec.index}/{spec.num_stages}: layers {spec.start}-{spec.end - 1}, "
             f"{stage.parameter_bytes / 1e6:.1f} MB of {stage.weights} parameters, "
             f"loaded in {time.perf_counter() - started:.2f} s"
         )
+        fused = stage.adapters.fused if stage.adapters is not None else None
+        if fused is not None:
+            log(
+                f"stage {spec.index}: adapter {fused.path} ({fused.kind}) fused into "
+                f"{fused.modules} modules, {fused.read} of its {fused.stored} tensors read"
+            )
         stages.append(stage)
     return InProcessPipeline(stages)
 
@@ -134,7 +141,8 @@ def run_generate(
         check_tensor_parallel(settings)
         group = init_group(settings.tp_size)
         say(f"tensor-parallel rank {group.rank()} of {group.size()} (MLX ring backend)")
-    pipeline = load_pipeline(model_dir, stage_specs(plan.ranges), say, weights)
+    adapter = Path(settings.adapter).expanduser() if settings.adapter else None
+    pipeline = load_pipeline(model_dir, stage_specs(plan.ranges), say, weights, adapter)
     if group is not None:
         pipeline = InProcessPipeline([shard_stage(s, group) for s in pipeline.stages])
         shares = ", ".join(f"{s.parameter_bytes / 1e6:.1f}" for s in pipeline.stages)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import json
 import logging
 import os
 import secrets
@@ -32,6 +33,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from mlxppd.core.adapters import parse_adapter_flag
 from mlxppd.core.config.cluster import ClusterConfig, parse_cluster_config
 from mlxppd.core.config.ports import (
     DEFAULT_TRANSPORT_PORT_RANGE,
@@ -93,6 +95,7 @@ def local_cluster_toml(
     transport_backend: str = "tcp",
     port_range: PortRange | None = None,
     tp: int = 1,
+    adapters: tuple[str, ...] = (),
 ) -> str:
     """The cluster TOML of a loopback cluster: a coordinator and one node per stage, or per
     (stage, rank) when ``tp`` > 1 (``ports``: stage-major, then rank; each rank's ring on a
@@ -107,6 +110,14 @@ def local_cluster_toml(
     ]
     if port_range is not None:
         lines.append(f'transport_port_range = "{port_range}"')
+    named: list[str] = []
+    for flag in adapters:  # --adapter DIR (fused) or NAME=DIR (per request), as absolute paths
+        adapter, path = parse_adapter_flag(flag)
+        where = json.dumps(str(Path(path).expanduser().absolute()))
+        if adapter is None:
+            lines.append(f"adapter = {where}")
+        else:
+            named += ["", "[[adapters]]", f"name = {json.dumps(adapter)}", f"path = {where}"]
     lines += [
         "",
         "[[nodes]]",
@@ -123,6 +134,7 @@ def local_cluster_toml(
         else:
             lines += ['role = "pipeline_tensor_parallel"', f"stage = {i}", f"rank = {rank}"]
             lines += [f'tp_address = "127.0.0.1:{free_port()}"']
+    lines += named
     # Round-trip through the validated model so the file is exactly what a node will load.
     config: ClusterConfig = parse_cluster_config("\n".join(lines) + "\n", "local cluster")
     return render_cluster_toml(config)
@@ -175,6 +187,8 @@ class LocalCluster:
     transport_backend: str = "tcp"
     tp: int = 1
     """tensor-parallel ranks per stage: one process each"""
+    adapters: tuple[str, ...] = ()
+    """``--adapter`` values: DIR (fused) or NAME=DIR (per request), written into the TOML"""
     followers: list[list[subprocess.Popen[bytes]]] = field(default_factory=list, init=False)
     """each stage's ranks above 0 (``procs`` holds rank 0, the one that listens)"""
     restarts: list[int] = field(default_factory=list, init=False)
@@ -215,6 +229,7 @@ class LocalCluster:
                 transport_backend=self.transport_backend,
                 port_range=self.port_range,
                 tp=self.tp,
+                adapters=self.adapters,
             )
         )
         self.restarts = [0 for _ in self.ranges]

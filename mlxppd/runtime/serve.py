@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry
+from pydantic import ValidationError
 
+from mlxppd.core.adapters import parse_adapter_flag
 from mlxppd.core.agent.desired import cluster_layer_plan
 from mlxppd.core.config.cluster import ClusterConfig, NodeRole, load_cluster_config
 from mlxppd.core.cpu_weights import CpuWeights, float32_config
@@ -57,6 +59,8 @@ class NodeOptions:
     model: str | None
     cluster_file: Path
     node_id: str
+    adapters: tuple[str, ...] = ()
+    """``--adapter`` values on top of the cluster TOML's adapters"""
     secret_file: str | None = None
     host: str = "127.0.0.1"
     port: int = 8080
@@ -105,8 +109,29 @@ def load_node_cluster(options: NodeOptions) -> tuple[ClusterConfig, Any]:
     return _load_cluster(options)
 
 
+def with_adapter_flags(cluster: ClusterConfig, flags: tuple[str, ...]) -> ClusterConfig:
+    """The cluster with ``--adapter`` values on top of its TOML: DIR replaces the fused
+    adapter, NAME=DIR adds (or replaces) a named one."""
+    if not flags:
+        return cluster
+    data = cluster.model_dump(mode="json")
+    named = {a["name"]: a for a in data.get("adapters", [])}
+    for flag in flags:
+        name, path = parse_adapter_flag(flag)
+        where = str(Path(path).expanduser().absolute())
+        if name is None:
+            data["cluster"]["adapter"] = where
+        else:
+            named[name] = {"name": name, "path": where}
+    data["adapters"] = list(named.values())
+    try:
+        return ClusterConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigurationError(str(exc.errors()[0]["msg"]), source="--adapter") from None
+
+
 def _load_cluster(options: NodeOptions) -> tuple[ClusterConfig, Any]:
-    cluster = load_cluster_config(options.cluster_file)
+    cluster = with_adapter_flags(load_cluster_config(options.cluster_file), options.adapters)
     secret = load_cluster_secret(
         flag_path=options.secret_file,
         config_secret_file=cluster.cluster.secret_file,

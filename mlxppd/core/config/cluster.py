@@ -26,6 +26,7 @@ from pydantic import (
     model_validator,
 )
 
+from mlxppd.core.config.adapters import AdapterEntry, adapter_names_problem
 from mlxppd.core.config.addresses import address_key, parse_address
 from mlxppd.core.config.failover import FailoverPolicy
 from mlxppd.core.config.messages import KeyedValueError, validation_error
@@ -185,6 +186,12 @@ class ClusterSection(_Strict):
         "that hold no copy of the model (mlxppctl prepare does it on demand, and also repairs "
         "copies that differ).",
     )
+    adapter: str | None = Field(
+        None,
+        min_length=1,
+        description="A LoRA adapter directory fused into every stage's weights (each stage "
+        "reads its own layers' tensors); the same path on every stage host.",
+    )
     cpu_weights: CpuWeightsField = Field(
         CpuWeights.AUTO,
         description="How stages on CPU hosts hold their weights: float32 (materialized at "
@@ -326,6 +333,12 @@ class ClusterConfig(_Strict):
         description="Every node: one hybrid coordinator, one node per (stage, rank), and any "
         "standby nodes.",
     )
+    adapters: list[AdapterEntry] = Field(
+        default_factory=list,
+        max_length=64,
+        description="LoRA adapters served beside the base model, each chosen by a request's "
+        "model (mlxppctl adapter load|unload changes the set while serving).",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -340,6 +353,14 @@ class ClusterConfig(_Strict):
     @model_validator(mode="after")
     def _topology_is_valid(self) -> ClusterConfig:
         _check_topology(self)
+        problem = adapter_names_problem(self.adapters)
+        if problem is not None:
+            raise KeyedValueError(("adapters",), problem)
+        if self.cluster.tensor_parallel_size > 1 and (self.adapters or self.cluster.adapter):
+            raise KeyedValueError(
+                ("adapters",) if self.adapters else ("cluster", "adapter"),
+                "adapters run on stages of one rank; drop them or set tensor_parallel_size = 1",
+            )
         return self
 
     @property

@@ -97,6 +97,8 @@ def render_cluster_toml(cfg: ClusterConfig) -> str:
         lines.append(f"kv_budget_bytes = {c.kv_budget_bytes}")
     if c.cpu_weights != "auto":
         lines.append(f"cpu_weights = {_toml_value(str(c.cpu_weights))}")
+    if c.adapter is not None:
+        lines.append(f"adapter = {_toml_value(c.adapter)}")
     lines += ["", "[cluster.elastic]"]
     for key in _ELASTIC_KEYS:
         lines.append(f"{key} = {_toml_value(getattr(c.elastic, key))}")
@@ -105,4 +107,7 @@ def render_cluster_toml(cfg: ClusterConfig) -> str:
         lines.append(f"{key} = {_toml_value(getattr(c.failover, key))}")
     for node in [cfg.coordinator, *cfg.stage_nodes(), *cfg.standby_nodes()]:
         lines += ["", *_node_lines(node)]
+    for entry in cfg.adapters:
+        lines += ["", "[[adapters]]", f"name = {_toml_value(entry.name)}"]
+        lines.append(f"path = {_toml_value(entry.path)}")
     return "\n".join(lines) + "\n"

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, Field, TypeAdapter
 
 from mlxppd.core.kv_admission import AdmissionDiagnostic, RejectReason
+from mlxppd.core.protocol.adapters import AdapterLoad, AdapterName, AdapterUnload
 from mlxppd.core.protocol.model_transfer import (
     Identify,
     PrepareCheck,
@@ -125,6 +126,9 @@ class Admit(StrictModel):
         description="[start, end) layers of every stage as the coordinator expects them; a "
         "stage holding other layers refuses (plan_mismatch)",
     )
+    adapter: AdapterName | None = Field(
+        None, description="the per-request adapter the sequence runs (None: the base model)"
+    )
 
 
 class Release(StrictModel):
@@ -229,6 +233,8 @@ Command = (
     | PrepareCheck
     | PrepareData
     | PrepareCommit
+    | AdapterLoad
+    | AdapterUnload
 )
 _CONTROL: TypeAdapter[Command] = TypeAdapter(Annotated[Command, Field(discriminator="op")])
 

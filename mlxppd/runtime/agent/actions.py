@@ -59,7 +59,11 @@ from mlxppd.runtime.pipeline.node_start import (
     start_pipeline_coordinator,
     start_stage_worker,
 )
-from mlxppd.runtime.pipeline.stage_loader import load_stage_runner, stage_kv_manager
+from mlxppd.runtime.pipeline.stage_loader import (
+    AdapterPaths,
+    load_stage_runner,
+    stage_kv_manager,
+)
 from mlxppd.runtime.pipeline.stage_worker import StageWorker
 from mlxppd.runtime.pipeline.tp_stage import TensorPlace
 from mlxppd.runtime.system.mlx_thread import MlxThread
@@ -278,6 +282,7 @@ class NodeRuntime:
                 reuse=worker.runner,
                 weights=target.cpu_weights,
                 digest_cache=ctx.place.cache_dir,
+                adapters=AdapterPaths.of(ctx.cluster),
             )
             kv = stage_kv_manager(spec, per_token, target.kv_budget_bytes, target.max_sequences)
             loaded = time.monotonic()

@@ -11,12 +11,13 @@ says where each piece of information comes from).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from mlxppd.core.agent.elastic import Trigger
 from mlxppd.core.agent.plan import StageAddress
+from mlxppd.core.errors import MlxppError
 from mlxppd.core.model_identity import IdentityCheck
 from mlxppd.core.protocol.control import StageReport
 from mlxppd.runtime.pipeline.elastic_driver import ElasticDriver
@@ -107,6 +108,15 @@ class CoordinatorAdmin:
             "warnings": list(view.warnings()),
             "prepare": view.prepare_status(),
         }
+        registry = getattr(live, "adapters", None)
+        if registry is not None:
+            coordinator["adapters"] = {
+                "fused": str(registry.fused) if registry.fused is not None else None,
+                "named": {
+                    n: {"path": str(registry.path(n)), "running": running}
+                    for n, running in registry.usage().items()
+                },
+            }
         if driver is not None:
             coordinator["elastic_enabled"] = driver.machine.policy.enabled
             coordinator["last_repartition_event"] = driver.last_event()
@@ -158,6 +168,26 @@ class CoordinatorAdmin:
                 "message": "this coordinator does not ship models (run it under mlxppd agent)",
             }
         return self.view.prepare(max_rate_bytes_s, nodes)
+
+    async def adapter_load(self, name: str, path: str) -> dict[str, Any]:
+        return await self._adapter(lambda live: live.load_adapter(name, path))
+
+    async def adapter_unload(self, name: str, drain_timeout_s: float) -> dict[str, Any]:
+        return await self._adapter(lambda live: live.unload_adapter(name, drain_timeout_s))
+
+    async def _adapter(self, change: Callable[[Any], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+        gate = self.view.gate()
+        live = gate.coordinator if gate is not None else None
+        if live is None or not live.connected:
+            return {
+                "accepted": False,
+                "reason": "unavailable",
+                "message": "the pipeline is not connected; try again once it serves",
+            }
+        try:
+            return {"accepted": True, **await change(live)}
+        except MlxppError as exc:
+            return {"accepted": False, "reason": "refused", "message": str(exc)}
 
     async def events(self, after: int) -> dict[str, Any]:
         driver = self.view.driver()

@@ -43,6 +43,8 @@ class SamplingParams:
     """the most likely tokens to report with each sampled one (0: none)"""
     grammar: GrammarSpec | None = None
     """constrain the output to JSON (a schema, or any object)"""
+    adapter: str | None = None
+    """the per-request LoRA adapter the sequence runs (None: the base model)"""
 
     def sampler_spec(self, prompt: Sequence[int]) -> SamplerSpec | None:
         """What the last stage needs beyond temperature, top_p and the seed; None: nothing."""

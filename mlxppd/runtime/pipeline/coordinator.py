@@ -34,6 +34,8 @@ from mlxppd.core.protocol.control import (
 from mlxppd.core.strict import StrictModel
 from mlxppd.runtime.observability.metrics import PipelineMetrics
 from mlxppd.runtime.observability.trace import TraceBuffer, TraceFile
+from mlxppd.runtime.pipeline.adapter_ops import AdapterOps
+from mlxppd.runtime.pipeline.adapter_registry import AdapterRegistry
 from mlxppd.runtime.pipeline.backend import (
     BackendUnavailable,
     SamplingParams,
@@ -65,7 +67,7 @@ REPLY_TIMEOUT_S = 30.0
 ReplyT = TypeVar("ReplyT", bound=StrictModel)
 
 
-class Coordinator(StageOps, LinkReader, PromptSender):
+class Coordinator(StageOps, LinkReader, PromptSender, AdapterOps):
     def __init__(
         self,
         cluster: ClusterConfig,
@@ -89,6 +91,8 @@ class Coordinator(StageOps, LinkReader, PromptSender):
         self.identity_checks: list[IdentityCheck] = []
         #: the prompt prefixes every stage keeps (None or capacity 0: none kept)
         self.prompts = PromptIndex(prompt_cache) if prompt_cache else None
+        #: the per-request adapters served now (``adapter_registry.py``)
+        self.adapters = AdapterRegistry.of(cluster)
         # None: a lost stage fails every open request (as without [cluster.failover]).
         self.failover = failover
         self._recovery: asyncio.Task[None] | None = None
@@ -292,6 +296,12 @@ class Coordinator(StageOps, LinkReader, PromptSender):
             raise
         finally:
             self.waiting -= 1
+        try:
+            self.adapters.begin(params.adapter)
+        except BaseException:
+            self._slots.release()
+            _leader_gone(share, seq)
+            raise
         self.active += 1
         started = last = time.monotonic()
         produced = 0
@@ -310,6 +320,7 @@ class Coordinator(StageOps, LinkReader, PromptSender):
                 yield item
         finally:
             self.active -= 1
+            self.adapters.end(params.adapter)
             self._slots.release()
 
     async def _replayed(
@@ -322,7 +333,8 @@ class Coordinator(StageOps, LinkReader, PromptSender):
             # A replay must draw what the first run would have: fix the seed now.
             params = replace(params, seed=secrets.randbits(64))
         produced: list[int] = []
-        reuse = self.prompts.match(prompt) if self.prompts is not None and not share else None
+        tag = params.adapter or ""
+        reuse = self.prompts.match(prompt, tag) if self.prompts is not None and not share else None
         for attempt in itertools.count():
             try:
                 # A replay runs on a new chain, which holds none of the old chain's entries.
@@ -412,7 +424,8 @@ class Coordinator(StageOps, LinkReader, PromptSender):
             self.meter.ended(seq)
             if self._batcher is not None:
                 self._batcher.leave(seq)
-            await self._release(seq, keep=(*prompt, *tokens[:-1]) if final else None)
+            keep = (*prompt, *tokens[:-1]) if final else None
+            await self._release(seq, keep, params.adapter or "")
 
     # -- internals -----------------------------------------------------------------------------
 

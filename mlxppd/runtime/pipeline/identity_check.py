@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from mlxppd.core.adapters import wanted_by
 from mlxppd.core.errors import PermanentError
 from mlxppd.core.model_identity import IdentityCheck, StageIdentity, check_stage
 from mlxppd.core.protocol.model_transfer import Identify, IdentityReply
 from mlxppd.core.stages import StageSpec
+from mlxppd.engine.adapters.reader import adapter_digest
 from mlxppd.engine.families import wire_family
 from mlxppd.engine.stage_digest import stage_identity
 
@@ -36,10 +39,18 @@ class ModelMismatch(PermanentError):
 class IdentityReference:
     """The cluster's copy of the model, as the coordinator holds it."""
 
-    def __init__(self, model_dir: Path, config: dict[str, Any], cache_dir: Path | None = None):
+    def __init__(
+        self,
+        model_dir: Path,
+        config: dict[str, Any],
+        cache_dir: Path | None = None,
+        adapters: Callable[[], Mapping[str, Path]] | None = None,
+    ):
         self.model_dir = model_dir
         self.config = config
         self.cache_dir = cache_dir
+        #: the cluster's adapters now, by name ('' = fused): their digests are expected too
+        self.adapters = adapters or dict
         self.family = wire_family(config)
         self._expected: dict[tuple[int, int, int, int], StageIdentity] = {}
 
@@ -47,7 +58,12 @@ class IdentityReference:
         key = (spec.index, spec.num_stages, spec.start, spec.end)
         if key not in self._expected:
             self._expected[key] = stage_identity(self.model_dir, spec, self.config, self.cache_dir)
-        return self._expected[key]
+        tied = bool(self.config.get("tie_word_embeddings", False))
+        digests = {
+            name: adapter_digest(path, lambda m: wanted_by(m, spec, tied))[0]
+            for name, path in self.adapters().items()
+        }
+        return self._expected[key].model_copy(update={"adapters": digests})
 
 
 async def check_links(

@@ -30,7 +30,12 @@ from mlxppd.runtime.observability.timeline import StartTimeline
 from mlxppd.runtime.pipeline.coordinator import Coordinator
 from mlxppd.runtime.pipeline.failover import FailoverSettings, survivors_replan
 from mlxppd.runtime.pipeline.identity_check import IdentityReference
-from mlxppd.runtime.pipeline.stage_loader import layer_preparer, load_stage_runner, stage_kv_manager
+from mlxppd.runtime.pipeline.stage_loader import (
+    AdapterPaths,
+    layer_preparer,
+    load_stage_runner,
+    stage_kv_manager,
+)
 from mlxppd.runtime.pipeline.stage_worker import StageWorker
 from mlxppd.runtime.pipeline.tp_links import (
     FollowerLinks,
@@ -97,7 +102,7 @@ async def start_stage_worker(
     elif not spec.is_standby:  # a standby loads a lost stage's layers when it adopts them
         runner, per_token = await load_stage_runner(
             mlx, setup.model_dir, spec, setup.model_config, weights=setup.cpu_weights,
-            digest_cache=setup.digest_cache,
+            digest_cache=setup.digest_cache, adapters=AdapterPaths.of(setup.cluster),
         )  # fmt: skip
     if tensor is None:
         kv = stage_kv_manager(spec, per_token, setup.kv_budget_bytes, setup.max_sequences)
@@ -112,6 +117,7 @@ async def start_stage_worker(
             setup.max_sequences,
             setup.cpu_weights,
             setup.digest_cache,
+            AdapterPaths.of(setup.cluster),
         )
     worker = StageWorker(
         spec, runner, kv, transport, mlx, extras=extras, prepare_layers=prepare,
@@ -245,6 +251,8 @@ async def start_pipeline_coordinator(
         ),
     )
     coordinator.prefill_chunk = setup.prefill_chunk
+    if coordinator.identity is not None:
+        coordinator.identity.adapters = coordinator.adapters.paths
     stages = len(setup.plan)
     log.info(
         "coordinator: decode in %s; prefill in %s",

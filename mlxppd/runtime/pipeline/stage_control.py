@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mlxppd.core.kv_admission import (
@@ -22,6 +24,7 @@ from mlxppd.core.kv_admission import (
     StageKvManager,
 )
 from mlxppd.core.log_text import escape
+from mlxppd.core.protocol.adapters import AdapterLoad, AdapterReply, AdapterUnload
 from mlxppd.core.protocol.control import (
     Ack,
     Admit,
@@ -45,9 +48,11 @@ from mlxppd.core.strict import StrictModel
 from mlxppd.engine.blas import blas_in_use
 from mlxppd.engine.sampling import SequenceSampler, constraint_for, make_sampler
 from mlxppd.engine.stage_runner import StageRunner
+from mlxppd.engine.tp_mirror import MirroredRunner
 from mlxppd.runtime.observability.trace import TraceBuffer
 from mlxppd.runtime.pipeline.stage_work import PrepareLayers, ReleaseAllWork, StageStats
 from mlxppd.runtime.pipeline.work_queue import WorkQueue
+from mlxppd.runtime.system.mlx_thread import MlxThread
 from mlxppd.wire.channel import SecureChannel
 from mlxppd.wire.codec import MessageKind
 from mlxppd.wire.errors import ChannelClosedError
@@ -102,6 +107,7 @@ class StageControl:
         return self.runner
 
     if TYPE_CHECKING:  # provided by StageWorker, which queues it on the compute loop
+        mlx: MlxThread
 
         async def swap(self, spec: StageSpec, runner: StageRunner, kv: StageKvManager) -> None: ...
 
@@ -139,14 +145,58 @@ class StageControl:
         problem = (
             self._closed_reason(command)
             or self.kv.dry_run(request)
+            or self._adapter_refused(command)
             or self._sampling_refused(command, payload)
         )
         if problem is None and command.commit:
+            if command.adapter is not None:
+                self._layers().set_adapter(command.seq, command.adapter)
             self.kv.commit(request)
             self.clock.set_active(len(self.kv.reserved), time.monotonic())
         if problem is None:
             return AdmitReply(rid=command.rid, ok=True)
         return AdmitReply(rid=command.rid, ok=False, diagnostic=AdmitRefusal.of(problem))
+
+    async def _adapter_command(
+        self, channel: SecureChannel, command: AdapterLoad | AdapterUnload
+    ) -> None:
+        """Load or drop a per-request adapter on the mlx thread, between forward passes."""
+        reply = AdapterReply(rid=command.rid)
+        try:
+            adapters = self._layers().stage.adapters
+            if adapters is None or isinstance(self.runner, MirroredRunner):
+                raise ValueError("adapters run on stages of one rank")
+            if isinstance(command, AdapterLoad):
+                load = functools.partial(adapters.load, command.name, Path(command.path))
+                info = await self.mlx.run(load)
+                reply = AdapterReply(
+                    rid=command.rid, digest=info.digest, read=info.read, stored=info.stored,
+                    modules=info.modules,
+                )  # fmt: skip
+                log.info(
+                    "stage %d: adapter %s loaded from %s: %d modules, %d of its %d tensors read",
+                    self.spec.index, escape(command.name), escape(command.path), info.modules,
+                    info.read, info.stored,
+                )  # fmt: skip
+            else:
+                await self.mlx.run(functools.partial(adapters.unload, command.name))
+                log.info("stage %d: adapter %s unloaded", self.spec.index, escape(command.name))
+        except Exception as exc:  # reported to the coordinator, which undoes it everywhere
+            reply = AdapterReply(rid=command.rid, ok=False, error=clip(str(exc) or repr(exc)))
+        await send_reply(channel, reply)
+
+    def _adapter_refused(self, command: Admit) -> AdmissionDiagnostic | None:
+        """A request for an adapter this stage does not hold is refused, alone."""
+        if command.adapter is None:
+            return None
+        adapters = self._layers().stage.adapters
+        if adapters is None or command.adapter not in adapters.named:
+            log.warning(
+                "stage %d: refusing %s: adapter %s is not loaded here",
+                self.spec.index, escape(command.seq), escape(command.adapter),
+            )  # fmt: skip
+            return self.kv.refusal(RejectReason.INVALID_REQUEST)
+        return None
 
     def _grammar_tokenizer(self) -> Any:
         if self._tokenizer is None:

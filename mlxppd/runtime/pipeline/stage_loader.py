@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import replace
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 
+from mlxppd.core.config.cluster import ClusterConfig
 from mlxppd.core.cpu_weights import CpuWeights
 from mlxppd.core.kv_admission import UNLIMITED_BYTES, StageKvManager
 from mlxppd.core.protocol.control import LayerLoad
@@ -26,6 +27,22 @@ from mlxppd.engine.tp_mirror import Announce, MirroredRunner
 from mlxppd.runtime.system.mlx_thread import MlxThread
 
 log = logging.getLogger("mlxppd.stage")
+
+
+@dataclass(frozen=True)
+class AdapterPaths:
+    """The adapters a stage loads: one fused into its weights, and named ones per request."""
+
+    fused: Path | None = None
+    named: Mapping[str, Path] = field(default_factory=dict)
+
+    @staticmethod
+    def of(cluster: ClusterConfig) -> AdapterPaths:
+        fused = cluster.cluster.adapter
+        return AdapterPaths(
+            Path(fused).expanduser() if fused else None,
+            {a.name: Path(a.path).expanduser() for a in cluster.adapters},
+        )
 
 
 def configured_budget(reported: object) -> int | None:
@@ -47,6 +64,7 @@ async def load_stage_runner(
     digest_cache: Path | None = None,
     group: mx.distributed.Group | None = None,
     announce: Announce | None = None,
+    adapters: AdapterPaths | None = None,
 ) -> tuple[StageRunner, int]:
     """The stage's runner and its KV bytes per token, loaded on the mlx thread.
 
@@ -62,8 +80,24 @@ async def load_stage_runner(
 
     def load() -> tuple[StageRunner, int]:
         old = reuse.stage if reuse is not None else None
-        stage = load_stage(model_dir, spec, config, reuse=old, weights_mode=weights)
-        stage = replace(stage, identity=stage_identity(model_dir, spec, config, digest_cache))
+        paths = adapters or AdapterPaths()
+        stage = load_stage(
+            model_dir, spec, config, reuse=old, weights_mode=weights,
+            adapter=paths.fused,
+            # A repartition keeps the named adapters held now (some loaded while serving).
+            adapters=paths.named if adapters is not None and old is None else None,
+        )  # fmt: skip
+        identity = stage_identity(model_dir, spec, config, digest_cache)
+        if stage.adapters is not None:
+            identity = identity.model_copy(update={"adapters": dict(stage.adapters.digests())})
+            for info in (stage.adapters.fused, *stage.adapters.named.values()):
+                if info is not None:
+                    log.info(
+                        "stage %d: adapter %s (%s, %s) on %d modules, %d of its %d tensors read",
+                        spec.index, info.name or "fused", info.path, info.kind, info.modules,
+                        info.read, info.stored,
+                    )  # fmt: skip
+        stage = replace(stage, identity=identity)
         if group is not None:
             stage = shard_stage(stage, group)
         log.info(
@@ -89,6 +123,7 @@ def layer_preparer(
     max_sequences: int,
     weights: CpuWeights = CpuWeights.AUTO,
     digest_cache: Path | None = None,
+    adapters: AdapterPaths | None = None,
 ) -> Callable[
     [StageSpec, StageRunner | None], Awaitable[tuple[StageRunner, StageKvManager, LayerLoad]]
 ]:
@@ -100,7 +135,7 @@ def layer_preparer(
         started = time.monotonic()
         runner, per_token = await load_stage_runner(
             mlx, model_dir, spec, config, reuse=current, weights=weights,
-            digest_cache=digest_cache,
+            digest_cache=digest_cache, adapters=adapters,
         )  # fmt: skip
         kv = stage_kv_manager(spec, per_token, budget_bytes, max_sequences)
         load = LayerLoad(

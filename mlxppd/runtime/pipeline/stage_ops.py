@@ -266,7 +266,7 @@ class StageOps:
             command = Admit(
                 seq=seq, prompt_tokens=len(prompt), max_tokens=params.max_tokens, commit=commit,
                 temperature=params.temperature, top_p=params.top_p, seed=params.seed, plan=plan,
-                first_draw=first_draw,
+                first_draw=first_draw, adapter=params.adapter,
             )  # fmt: skip
             replies = await asyncio.gather(
                 *(
@@ -302,15 +302,16 @@ class StageOps:
             required_bytes=d.required_bytes, available_bytes=d.available_bytes,
         )  # fmt: skip
 
-    async def _release(self, seq: str, keep: tuple[int, ...] | None = None) -> None:
+    async def _release(self, seq: str, keep: tuple[int, ...] | None = None, tag: str = "") -> None:
         """Free ``seq`` on every stage; ``keep``: the tokens its caches hold, to keep them as
-        a prompt-cache entry instead (``core/prompt_cache.py``)."""
+        a prompt-cache entry instead (``core/prompt_cache.py``), reused only by requests of
+        the same ``tag`` (the adapter: its caches hold that adapter's keys and values)."""
         command = Release(seq=seq)
         evicted: list[str] = []
         if keep and self.prompts is not None and self.prompts.capacity:
             entry = f"pc.{seq}"
             command = Release(seq=seq, keep=entry, keep_tokens=len(keep))
-            evicted = self.prompts.add(entry, keep)
+            evicted = self.prompts.add(entry, keep, tag)
         for link in self._links:
             if link.alive:
                 with contextlib.suppress(ChannelClosedError, FrameError):

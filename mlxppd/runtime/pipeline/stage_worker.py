@@ -23,6 +23,7 @@ from mlxppd.core.kv_admission import (
     StageKvManager,
 )
 from mlxppd.core.log_text import escape
+from mlxppd.core.protocol.adapters import AdapterLoad, AdapterUnload
 from mlxppd.core.protocol.control import (
     Ack,
     Admission,
@@ -300,6 +301,9 @@ class StageWorker(StageControl, StageModel):
             await send_reply(channel, self.identify(command.rid))
         elif isinstance(command, PrepareCheck | PrepareData | PrepareCommit):
             await self._model_command(channel, command, message.tensor)
+        elif isinstance(command, AdapterLoad | AdapterUnload):
+            # Reading an adapter takes a while; the channel keeps answering meanwhile.
+            self._side_tasks.spawn(self._adapter_command(channel, command), name="stage-adapter")
         elif isinstance(command, Heartbeat):
             pass  # receiving it was the point: the deadline in _receive starts again
         elif isinstance(command, TraceDump):
