@@ -74,6 +74,53 @@ def train_adapter(
     return out
 
 
+def random_adapter(model_dir: Path, out: Path, *, num_layers: int = 4, seed: int = 0) -> Path:
+    """An untrained adapter in mlx-lm's layout (its LoRA layers over the last ``num_layers``
+    blocks, ``lora_b`` drawn at random so it changes the answer): for tests that need an
+    adapter but not a trained one."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    from tests.reference_support import load_reference_model
+
+    mx.random.seed(seed)
+    model = load_reference_model(model_dir)
+    model.freeze()
+    params = {"rank": 4, "dropout": 0.0, "scale": 20.0}
+    linear_to_lora_layers(model, num_layers, params)
+    weights = dict(tree_flatten(model.trainable_parameters()))
+    for name in weights:
+        if name.endswith("lora_b"):
+            weights[name] = 0.02 * mx.random.normal(weights[name].shape)
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "adapters.safetensors"), weights)
+    config = {"fine_tune_type": "lora", "num_layers": num_layers, "lora_parameters": params}
+    (out / "adapter_config.json").write_text(json.dumps(config))
+    return out
+
+
+def as_peft(adapter: Path, out: Path) -> Path:
+    """``adapter`` (mlx-lm's layout) rewritten as PEFT writes one: ``lora_A.weight`` /
+    ``lora_B.weight`` transposed, under ``base_model.model.``, alpha = scale x r."""
+    import mlx.core as mx
+
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    rank, scale = config["lora_parameters"]["rank"], config["lora_parameters"]["scale"]
+    loaded = mx.load(str(adapter / "adapters.safetensors"))
+    assert isinstance(loaded, dict)
+    peft = {}
+    for name, tensor in loaded.items():
+        module, leaf = name.rsplit(".", 1)
+        kind = {"lora_a": "lora_A", "lora_b": "lora_B"}[leaf]
+        peft[f"base_model.model.{module}.{kind}.weight"] = tensor.T
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "adapter_model.safetensors"), peft)
+    peft_config = {"peft_type": "LORA", "r": rank, "lora_alpha": scale * rank}
+    (out / "adapter_config.json").write_text(json.dumps(peft_config))
+    return out
+
+
 def adapted_reference(model_dir: Path, adapter: Path | None) -> tuple[Any, Any]:
     """Single-process mlx-lm with ``adapter`` (``load_adapters``, as ``mlx_lm.generate
     --adapter-path`` does), holding the base weights as a served stage does."""

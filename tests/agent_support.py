@@ -192,6 +192,8 @@ import json, sys, httpx
 url, question, max_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
 body = {"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
         "temperature": 0}
+if len(sys.argv) > 4:
+    body["model"] = sys.argv[4]
 r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
 print(json.dumps({"status": r.status_code, "body": r.json(),
                   "retry_after": r.headers.get("Retry-After")}))

@@ -38,8 +38,8 @@ from mlxppd.core.cpu_weights import CpuWeights
 from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.layer_ranges import parse_pp_layers
 from mlxppd.core.stages import StageSpec, stage_specs
-from mlxppd.engine.adapters import modules as adapter_modules
 from mlxppd.engine.adapters import ensure_no_adapter
+from mlxppd.engine.adapters import modules as adapter_modules
 from mlxppd.engine.families import family_for
 from mlxppd.engine.pipeline import InProcessPipeline
 from mlxppd.engine.stage import LoadedStage, load_stage
@@ -146,7 +146,9 @@ def mlx_lm_model(
         load_adapters(model, str(adapter))
         model.eval()
     if fuse:
-        fused = [(n, m.fuse(dequantize=False)) for n, m in model.named_modules() if hasattr(m, "fuse")]
+        fused = [
+            (n, m.fuse(dequantize=False)) for n, m in model.named_modules() if hasattr(m, "fuse")
+        ]
         model.update_modules(tree_unflatten(fused))
     return model
 
@@ -180,7 +182,9 @@ def _pass(runners: list[StageRunner], seq: str, tokens: list[int], sample: bool)
     return runners[-1].forward_and_sample(seq, h, False).token
 
 
-def _prefill(runners: list[StageRunner], seq: str, prompt: Sequence[int], adapter: str | None) -> int:
+def _prefill(
+    runners: list[StageRunner], seq: str, prompt: Sequence[int], adapter: str | None
+) -> int:
     """As mlx-lm's ``generate_step``: all but the last prompt token, then the first token."""
     for runner in runners:
         runner.set_adapter(seq, adapter)
@@ -296,6 +300,11 @@ def test_dora_on_llama_fused_and_per_request_decode_like_mlx_lm(
     runners = [StageRunner(s) for s in two_stages(model_dir, "llama", adapters={"d": adapter})]
     assert runner_greedy(runners, "d") == want
     assert runner_greedy(runners, None) == base
+    # DoRA rows beside base rows in one micro-batch
+    prompts = [list(PROMPT), list(PROMPT[3:]), list(PROMPT[:33])]
+    choice: list[str | None] = ["d", None, "d"]
+    alone = [runner_greedy(runners, a, p) for a, p in zip(choice, prompts, strict=True)]
+    assert group_greedy(runners, prompts, choice) == alone
 
 
 def test_quantized_experts_in_native_weights(trained: Callable[..., tuple[Path, Path]]) -> None:
@@ -311,7 +320,9 @@ def test_quantized_experts_in_native_weights(trained: Callable[..., tuple[Path, 
 
     want = greedy(mlx_lm_model(model_dir, adapter, weights=native))
     assert want != greedy(mlx_lm_model(model_dir, None, weights=native))
-    runners = [StageRunner(s) for s in two_stages(model_dir, "mixtral", native, adapters={"a": adapter})]
+    runners = [
+        StageRunner(s) for s in two_stages(model_dir, "mixtral", native, adapters={"a": adapter})
+    ]
     assert runner_greedy(runners, "a") == want
 
 
@@ -346,9 +357,11 @@ def test_a_micro_batch_mixing_adapters_decodes_each_row_as_alone(
         for s in two_stages(model_dir, family, adapters={"a": adapter_a, "b": adapter_b})
     ]
     prompts = [PROMPT, PROMPT[5:], PROMPT[:30]]  # different lengths: left-padded caches
+    base = [runner_greedy(runners, None, p) for p in prompts]
     for choice in (["a", None, "b"], [None, "a", "b"], ["b", "a", "a"]):
         alone = [runner_greedy(runners, a, p) for a, p in zip(choice, prompts, strict=True)]
-        assert alone[0] != alone[1] or choice[0] == choice[1]
+        for a, row, base_row in zip(choice, alone, base, strict=True):
+            assert (row != base_row) == (a is not None), "an adapter that changes nothing"
         assert group_greedy(runners, [list(p) for p in prompts], list(choice)) == alone, choice
     # and the rows equal mlx-lm's own answers with those adapters
     refs = {a: mlx_lm_model(model_dir, d) for a, d in (("a", adapter_a), ("b", adapter_b))}
@@ -408,7 +421,9 @@ def test_every_family_takes_mlx_lm_lora_conversion(
     assert want != greedy(mlx_lm_model(model_dir, None), n=8)
 
     fused = two_stages(model_dir, family, adapter=adapter)
-    fused_want = greedy(mlx_lm_model(model_dir, adapter, fuse=True), n=8) if quantized(fused) else want
+    fused_want = (
+        greedy(mlx_lm_model(model_dir, adapter, fuse=True), n=8) if quantized(fused) else want
+    )
     assert [s.token for s in InProcessPipeline(fused).generate(PROMPT, 8)] == fused_want
     assert_reads_own_layers(fused, adapter, None)
     runners = [StageRunner(s) for s in two_stages(model_dir, family, adapters={"a": adapter})]
@@ -422,7 +437,9 @@ def test_an_adapter_trained_on_another_model_is_refused(
     trained: Callable[..., tuple[Path, Path]], tiny_model: Callable[..., Path]
 ) -> None:
     _, adapter = trained("llama")
-    wide = tiny_model("llama-wide", {**CASES["llama"][0], "hidden_size": 96, "num_attention_heads": 6})
+    wide = tiny_model(
+        "llama-wide", {**CASES["llama"][0], "hidden_size": 96, "num_attention_heads": 6}
+    )
     spec = StageSpec(0, 2, 0, 2)
     with pytest.raises(ConfigurationError) as caught:
         load_stage(wide, spec, adapter=adapter)
@@ -463,7 +480,10 @@ def test_a_dora_adapter_on_moe_experts_is_refused(
         "MoE expert layers"
     )
     spec = StageSpec(1, 2, 2, 4)
-    for weights, cls in ((CpuWeights.NATIVE, "QuantizedSwitchLinear"), (CpuWeights.FLOAT32, "SwitchLinear")):
+    for weights, cls in (
+        (CpuWeights.NATIVE, "QuantizedSwitchLinear"),
+        (CpuWeights.FLOAT32, "SwitchLinear"),
+    ):
         with pytest.raises(ConfigurationError) as caught:
             load_stage(model_dir, spec, weights_mode=weights, adapter=dora)
         assert str(caught.value) == sentence.format(cls=cls)

@@ -23,7 +23,7 @@ from mlxppd.core.adapters import MLX_FILE, tensor_name
 from mlxppd.core.stage_tensors import layer_of
 from mlxppd.engine.stage_digest import safetensors_header
 from mlxppd.wire.secret import write_new_secret
-from tests.adapter_support import PIRATE, ROBOT, adapted_answers, train_adapter
+from tests.adapter_support import PIRATE, ROBOT, adapted_answers, as_peft, train_adapter
 from tests.cluster_support import RunningCluster, start_cluster, wait_gone
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -92,6 +92,17 @@ def test_generate_with_an_adapter_equals_mlx_lm_and_each_stage_reads_only_its_la
         own = sum(n for layer, n in per_layer.items() if int(first) <= layer <= int(last))
         assert int(read) == own and int(stored) == sum(per_layer.values())
     assert sum(int(read) for read, _ in reads) == sum(per_layer.values())
+
+
+def test_a_peft_adapter_is_read_as_the_same_adapter(
+    tmp_path: Path, adapters: dict[str, Path], reference: dict[str | None, str], model_cache: Path
+) -> None:
+    peft = as_peft(adapters["pirate"], tmp_path / "peft")
+    cmd = [sys.executable, "-m", "mlxppd.cli.mlxppd_main", "generate", "--pp-size", "2"]
+    cmd += ["--adapter", str(peft), "-n", str(TOKENS), "--json", "-p", QUESTION]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(model_cache), timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["text"] == reference["pirate"]
 
 
 def test_a_served_cluster_with_a_fused_adapter_answers_like_mlx_lm(

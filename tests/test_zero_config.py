@@ -18,6 +18,7 @@ import pytest
 
 from mlxppd import __version__
 from mlxppd.runtime.local_cluster import free_port
+from tests.adapter_support import adapted_answers, random_adapter
 from tests.agent_support import CHAT, VENV_BIN, Hosts, in_host_python, netns_unavailable
 from tests.reference_support import greedy_answers
 
@@ -221,7 +222,7 @@ def peer_flags(secret: Path, *more: str) -> list[str]:
 @pytest.mark.parametrize("discovery", ["static", "mdns"])
 def test_bring_up_answers_like_mlx_lm(
     hosts: Hosts, procs: Procs, secret: Path, cli_env: dict[str, str], reference: str,
-    discovery: str,
+    discovery: str, embedded_model_dir: Path,
 ) -> None:  # fmt: skip
     a0, a1, a2 = hosts.addresses
     for i in (1, 2):
@@ -251,16 +252,24 @@ def test_bring_up_answers_like_mlx_lm(
         assert checked.returncode == 0, checked.stderr
         for address in (a1, a2):
             assert f"peer {address}:19001 runs mlxpp {__version__}, wire protocol" in checked.stdout
+    # The static bring-up also serves an adapter: the peers get it in the TOML they are given.
+    adapter = random_adapter(embedded_model_dir, procs.root / "zc-adapter")
+    extra = ["--adapter", f"zc={adapter}"] if discovery == "static" else []
     coordinator = procs.start(
         hosts, 0, "coordinator", cli_env,
         "--pp-auto", "2", "--cluster-secret-file", str(secret), *found,
         "--cluster-control-addr", f"{a0}:19000", "--host", "0.0.0.0", "--port", "8080",
-        "--ready-file", str(ready),
+        "--ready-file", str(ready), *extra,
     )  # fmt: skip
     wait_file(ready, coordinator, procs.log("coordinator"))
     answer = in_host_python(hosts, 0, CHAT, f"http://{a0}:8080", QUESTION, "16")
     assert answer["status"] == 200, answer
     assert answer["body"]["choices"][0]["message"]["content"] == reference
+    if extra:
+        adapted = adapted_answers(embedded_model_dir, adapter, [(QUESTION, 16)])[(QUESTION, 16)]
+        assert adapted != reference  # not vacuous
+        answer = in_host_python(hosts, 0, CHAT, f"http://{a0}:8080", QUESTION, "16", "zc")
+        assert answer["body"]["choices"][0]["message"]["content"] == adapted, answer
     plan = (procs.root / ".mlxpp" / "cluster.toml").read_text()
     # Each peer holds the very bytes the coordinator planned, under its own node id.
     assert (procs.root / ".mlxpp" / "cluster-stage-0.toml").read_text() == plan

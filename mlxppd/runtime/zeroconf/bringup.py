@@ -54,7 +54,7 @@ from mlxppd.core.zeroconf.plan import (
 from mlxppd.engine.model_files import resolve_model_dir
 from mlxppd.engine.model_identity import model_identity
 from mlxppd.runtime.pipeline.control_client import BadReplyError, ControlClient
-from mlxppd.runtime.serve import NodeOptions, write_ready
+from mlxppd.runtime.serve import NodeOptions, with_adapter_flags, write_ready
 from mlxppd.runtime.system.atomic_write import write_text_atomic
 from mlxppd.wire.channel import SecureChannel
 from mlxppd.wire.codec import MessageKind
@@ -257,6 +257,8 @@ async def coordinate(options: NodeOptions, z: ZeroConfig, out: Any = None) -> No
             name=z.cluster_name, control_addr=control, peers=infos,
             num_stages=z.num_stages, profile=profile, transport_backend=z.transport_backend,
         )  # fmt: skip
+        # The peers get the adapters in the TOML they are assigned (same paths on every host).
+        plan = with_adapter_flags(plan, options.adapters)
         text = render_cluster_toml(plan)
         await _assign(plan, text, peers, identity)
         _write(config_out, text)
