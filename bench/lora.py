@@ -90,7 +90,9 @@ def train_adapter(model_dir: Path, out: Path, weights: CpuWeights, args: Any) ->
     data = out.parent / "data"
     data.mkdir(parents=True, exist_ok=True)
     lines = [
-        json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]})
+        json.dumps(
+            {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+        )
         for q, a in PIRATE
     ]
     for name in ("train", "valid"):
@@ -110,9 +112,20 @@ def train_adapter(model_dir: Path, out: Path, weights: CpuWeights, args: Any) ->
     return out
 
 
-def mlx_lm_run(model: Any, prompt: list[int], n: int) -> Callable[[], list[list[int]]]:
-    def run() -> list[list[int]]:
-        return [[int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]]
+#: a timed run: (when its first token(s) were out, each sequence's tokens)
+Run = Callable[[], tuple[float, list[list[int]]]]
+
+
+def mlx_lm_run(model: Any, prompt: list[int], n: int) -> Run:
+    """mlx-lm's own decode loop (``generate_step``), one sequence."""
+
+    def run() -> tuple[float, list[list[int]]]:
+        first, tokens = 0.0, []
+        for token, _ in generate_step(mx.array(prompt), model, max_tokens=n):
+            if not tokens:
+                first = time.perf_counter()
+            tokens.append(int(token))
+        return first, [tokens]
 
     return run
 
@@ -137,14 +150,16 @@ def _prefill(runners: list[StageRunner], seq: str, prompt: list[int], adapter: s
 
 def runners_run(
     runners: list[StageRunner], prompts: list[list[int]], adapters: list[str | None], n: int
-) -> Callable[[], list[list[int]]]:
-    """One sequence decoded alone, or several prefilled alone then decoded in one micro-batch.
-    Yields nothing itself: the caller times from its first token (see ``timed``)."""
+) -> Run:
+    """One sequence decoded alone through the stages' runners, or several prefilled one by one
+    then decoded together in one micro-batch (``forward_group``)."""
 
-    def run() -> list[list[int]]:
+    def run() -> tuple[float, list[list[int]]]:
         seqs = [f"s{i}" for i in range(len(prompts))]
-        out = [[_prefill(runners, s, p, a)] for s, p, a in zip(seqs, prompts, adapters, strict=True)]
-        _clock.append(time.perf_counter())  # the first tokens are out: decode starts here
+        out = [
+            [_prefill(runners, s, p, a)] for s, p, a in zip(seqs, prompts, adapters, strict=True)
+        ]
+        first = time.perf_counter()
         for _ in range(n - 1):
             if len(seqs) == 1:
                 out[0].append(_step(runners, seqs[0], out[0][-1:], sample=True))
@@ -152,51 +167,22 @@ def runners_run(
             h = mx.array([row[-1:] for row in out], dtype=mx.uint32)
             for runner in runners[:-1]:
                 h = runner.forward_group("batch", seqs, h)
-            for row, s in zip(out, runners[-1].forward_group_and_sample("batch", seqs, h, False)):
-                row.append(s.token)
+            sampled = runners[-1].forward_group_and_sample("batch", seqs, h, False)
+            for row, one in zip(out, sampled, strict=True):
+                row.append(one.token)
         for runner in runners:
             runner.release_all()
-        return out
+        return first, out
 
     return run
 
 
-_clock: list[float] = []
-
-
-def timed(run: Callable[[], list[list[int]]], n: int, batched_clock: bool) -> tuple[float, list[list[int]]]:
-    """(decode tokens/s over every sequence, the tokens)."""
-    _clock.clear()
-    start = time.perf_counter()
-    if batched_clock:
-        out = run()
-        first = _clock[0]
-    else:  # mlx-lm: time from its first token, as bench/generate.py does
-        gen = generate_step_first(run)
-        first, out = gen
+def timed(run: Run, n: int) -> tuple[float, list[list[int]]]:
+    """(decode tokens/s over every sequence, from the first token to the last; the tokens)."""
+    first, out = run()
     elapsed = time.perf_counter() - first
     assert all(len(row) == n for row in out), f"expected {n} tokens per sequence"
-    del start
     return sum(len(row) - 1 for row in out) / elapsed, out
-
-
-def generate_step_first(run: Callable[[], list[list[int]]]) -> tuple[float, list[list[int]]]:
-    """Run mlx-lm's loop, noting when its first token came out."""
-    model, prompt, n = run.__defaults__ or (None, None, None)  # set by mlx_lm_timed
-    first = 0.0
-    tokens = []
-    for token, _ in generate_step(mx.array(prompt), model, max_tokens=n):
-        if not tokens:
-            first = time.perf_counter()
-        tokens.append(int(token))
-    return first, [tokens]
-
-
-def mlx_lm_timed(model: Any, prompt: list[int], n: int) -> Callable[[], list[list[int]]]:
-    def run(model: Any = model, prompt: list[int] = prompt, n: int = n) -> list[list[int]]:
-        return [[int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]]
-
-    return run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -239,39 +225,36 @@ def main(argv: list[str] | None = None) -> int:
         for s in specs
     ]
     four = [prompt, *others]
-    rows: dict[str, tuple[Callable[[], list[list[int]]], bool]] = {
-        "mlx-lm, base model": (mlx_lm_timed(base_model, prompt, n), False),
-        "mlx-lm + adapter (load_adapters)": (mlx_lm_timed(adapted_model, prompt, n), False),
-        "2 stages, base model": (runners_run(plain, [prompt], [None], n), True),
-        "2 stages, adapter fused": (runners_run(fused, [prompt], [None], n), True),
-        "2 stages, adapter per request": (runners_run(kept, [prompt], ["a"], n), True),
-        "2 stages, batch of 4: 4 base": (runners_run(kept, four, [None] * 4, n), True),
-        "2 stages, batch of 4: 2 adapter + 2 base": (
-            runners_run(kept, four, ["a", None, "a", None], n), True,
-        ),
-        "2 stages, batch of 4: 4 adapter": (runners_run(kept, four, ["a"] * 4, n), True),
-    }  # fmt: skip
+    rows: dict[str, Run] = {
+        "mlx-lm, base model": mlx_lm_run(base_model, prompt, n),
+        "mlx-lm + adapter (load_adapters)": mlx_lm_run(adapted_model, prompt, n),
+        "2 stages, base model": runners_run(plain, [prompt], [None], n),
+        "2 stages, adapter fused": runners_run(fused, [prompt], [None], n),
+        "2 stages, adapter per request": runners_run(kept, [prompt], ["a"], n),
+        "2 stages, adapter loaded, base request": runners_run(kept, [prompt], [None], n),
+        "2 stages, batch of 4: 4 base": runners_run(kept, four, [None] * 4, n),
+        "2 stages, batch of 4: 2 adapter + 2 base": runners_run(kept, four, ["a", None] * 2, n),
+        "2 stages, batch of 4: 4 adapter": runners_run(kept, four, ["a"] * 4, n),
+    }
     rates: dict[str, list[float]] = {name: [] for name in rows}
     outputs: dict[str, list[list[int]]] = {}
-    for run, batched in rows.values():  # warm-up: compile kernels, touch every weight once
-        timed(run, n, batched)
+    for run in rows.values():  # warm-up: compile kernels, touch every weight once
+        timed(run, n)
     for rep in range(args.repeats):
-        for name, (run, batched) in rows.items():
-            rate, outputs[name] = timed(run, n, batched)
+        for name, run in rows.items():
+            rate, outputs[name] = timed(run, n)
             rates[name].append(rate)
         print(f"repeat {rep + 1}/{args.repeats} done", file=sys.stderr, flush=True)
 
-    # Which output each row must equal, and the row its speed is compared with.
-    alone = {None: runners_run(kept, four, [None] * 4, n), "a": runners_run(kept, four, ["a"] * 4, n)}
-    singles = {
-        a: [runners_run(kept, [p], [a], n)()[0] for p in four] for a in alone
-    }  # each sequence decoded alone
+    # What each row must decode: mlx-lm's tokens, or for a batch each sequence decoded alone.
+    singles = {a: [runners_run(kept, [p], [a], n)()[1][0] for p in four] for a in (None, "a")}
     expect = {
         "mlx-lm, base model": outputs["mlx-lm, base model"],
         "mlx-lm + adapter (load_adapters)": outputs["mlx-lm + adapter (load_adapters)"],
         "2 stages, base model": outputs["mlx-lm, base model"],
         "2 stages, adapter fused": outputs["mlx-lm + adapter (load_adapters)"],
         "2 stages, adapter per request": outputs["mlx-lm + adapter (load_adapters)"],
+        "2 stages, adapter loaded, base request": outputs["mlx-lm, base model"],
         "2 stages, batch of 4: 4 base": singles[None],
         "2 stages, batch of 4: 2 adapter + 2 base": [
             singles["a"][0], singles[None][1], singles["a"][2], singles[None][3]
@@ -279,10 +262,14 @@ def main(argv: list[str] | None = None) -> int:
         "2 stages, batch of 4: 4 adapter": singles["a"],
     }  # fmt: skip
     changed = outputs["mlx-lm + adapter (load_adapters)"] != outputs["mlx-lm, base model"]
-    baseline = "mlx-lm + adapter (load_adapters)"
-    batch_base = "2 stages, batch of 4: 4 base"
-    base_rate = statistics.median(rates[baseline])
-    batch_rate = statistics.median(rates[batch_base])
+    median = {name: statistics.median(r) for name, r in rates.items()}
+    baseline = median["mlx-lm + adapter (load_adapters)"]
+    # each row beside the base model run the same way (mlx-lm; 2 stages, alone or in a batch)
+    same_way = {name: "mlx-lm, base model" for name in rows if name.startswith("mlx-lm")}
+    for name in rows:
+        if name.startswith("2 stages"):
+            batched = len(outputs[name]) > 1
+            same_way[name] = "2 stages, batch of 4: 4 base" if batched else "2 stages, base model"
 
     print(
         f"LoRA decode, {Path(model_dir).name} ({weights} weights), {len(prompt)}-token chat "
@@ -291,18 +278,16 @@ def main(argv: list[str] | None = None) -> int:
         f"({'changes' if changed else 'does NOT change'} the greedy text); BLAS: {BLAS}\n"
     )
     print(
-        "| run | sequences | decode tokens/s | vs mlx-lm + adapter | vs batch of 4 base "
-        "| same tokens |"
+        "| run | sequences | decode tokens/s | vs mlx-lm + adapter | vs the base model run "
+        "the same way | same tokens |"
     )
     print("|---|---:|---:|---:|---:|---|")
     for name in rows:
-        rate = statistics.median(rates[name])
-        count = len(outputs[name])
-        vs_batch = f"{rate / batch_rate:.2f}x" if count == 4 else ""
+        rate = median[name]
         same = outputs[name] == expect[name]
         print(
-            f"| {name} | {count} | {rate:.2f} | {rate / base_rate:.2f}x | {vs_batch} "
-            f"| {'yes' if same else 'NO'} |"
+            f"| {name} | {len(outputs[name])} | {rate:.2f} | {rate / baseline:.2f}x "
+            f"| {rate / median[same_way[name]]:.2f}x | {'yes' if same else 'NO'} |"
         )
     return 0
 

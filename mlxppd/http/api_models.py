@@ -217,6 +217,7 @@ class ModelCard(ResponseModel):
     object: Literal["model"]
     created: int = Field(ge=0)
     owned_by: str
+    parent: str | Absent = omitted("for a LoRA adapter: the base model it runs on")
 
 
 class ModelList(ResponseModel):

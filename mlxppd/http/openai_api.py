@@ -393,9 +393,9 @@ def _check_model(state: _State, model: str | None) -> None:
     if model is None or model in (state.model_name, state.backend.model_id):
         return
     registry = adapter_registry(state.backend)
+    if registry is not None and registry.path(model) is not None:
+        return  # an adapter (one being unloaded is refused with 409 when the request starts)
     adapters = registry.names() if registry is not None else []
-    if model in adapters:
-        return
     served = ", ".join(f"'{n}'" for n in [state.model_name, *adapters])
     raise ApiError(
         404,

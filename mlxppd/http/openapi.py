@@ -272,7 +272,7 @@ def _api_paths() -> dict[str, Any]:
             "get": _keyed(
                 {
                     "operationId": "listModels",
-                    "summary": "The one model this server serves",
+                    "summary": "The base model, then each LoRA adapter a request may choose",
                     "responses": {
                         "200": _ok("The model list.", _json(schema_ref("ModelList"))),
                     },
