@@ -1,6 +1,6 @@
 """What a LoRA adapter costs in decode: fused, kept apart per request, and mixed in a micro-batch.
 
-    .venv/bin/python bench/lora.py [--model DIR] [--max-tokens 48] [--repeats 3]
+    .venv/bin/python bench/lora.py [--model DIR] [--max-tokens 32] [--repeats 3]
 
 An adapter is first trained on the model with mlx-lm's own trainer (``mlx_lm.lora``'s
 ``train_model``, what ``mlx_lm lora --train`` runs; a few iterations on a tiny chat dataset:
@@ -75,7 +75,8 @@ OTHERS = [
 def mlx_lm_model(model_dir: Path, weights: CpuWeights) -> tuple[Any, Any]:
     """``mlx_lm.load``, held as a stage in ``weights`` mode holds it (mlx-lm's own
     ``dequantize_model`` then float32, for float32)."""
-    model, tokenizer = load(str(model_dir))
+    loaded = load(str(model_dir))
+    model, tokenizer = loaded[0], loaded[1]
     if weights is CpuWeights.FLOAT32:
         dequantize_model(model)
         model.set_dtype(mx.float32)
@@ -120,7 +121,7 @@ def mlx_lm_run(model: Any, prompt: list[int], n: int) -> Run:
     """mlx-lm's own decode loop (``generate_step``), one sequence."""
 
     def run() -> tuple[float, list[list[int]]]:
-        first, tokens = 0.0, []
+        first, tokens = 0.0, list[int]()
         for token, _ in generate_step(mx.array(prompt), model, max_tokens=n):
             if not tokens:
                 first = time.perf_counter()
@@ -188,7 +189,7 @@ def timed(run: Run, n: int) -> tuple[float, list[list[int]]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="mlx-lm model directory (default: embedded model)")
-    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rank", type=int, default=8, help="LoRA rank (mlx-lm's default 8)")
     parser.add_argument(

@@ -35,6 +35,7 @@ SLOW_MODULES = (
     "test_sampling_api.py",
     "test_failover.py",
     "test_serve_cluster.py",
+    "test_adapters_serve.py",
     "test_elastic_cluster.py",
     "test_zero_config.py",
     "test_stage_parity.py",
@@ -48,6 +49,7 @@ SLOW_MODULES = (
     "test_tensor_parallel.py",
     "test_tp_serving.py",
     "test_tp_agents.py",
+    "test_adapter_families.py",
 )
 
 

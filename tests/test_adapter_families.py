@@ -283,7 +283,7 @@ def test_two_stages_with_an_adapter_decode_like_mlx_lm(
 
 
 def test_dora_on_llama_fused_and_per_request_decode_like_mlx_lm(
-    trained: Callable[..., tuple[Path, Path]],
+    trained: Callable[..., tuple[Path, Path]], row_masks: list[bool]
 ) -> None:
     model_dir, adapter = trained("llama", "a-dora", kind="dora")
     assert json.loads((adapter / "adapter_config.json").read_text())["fine_tune_type"] == "dora"
@@ -304,7 +304,9 @@ def test_dora_on_llama_fused_and_per_request_decode_like_mlx_lm(
     prompts = [list(PROMPT), list(PROMPT[3:]), list(PROMPT[:33])]
     choice: list[str | None] = ["d", None, "d"]
     alone = [runner_greedy(runners, a, p) for a, p in zip(choice, prompts, strict=True)]
+    assert alone[0] != runner_greedy(runners, None, prompts[0])
     assert group_greedy(runners, prompts, choice) == alone
+    assert row_masks, "the rows never ran in one batch"
 
 
 def test_quantized_experts_in_native_weights(trained: Callable[..., tuple[Path, Path]]) -> None:
@@ -341,6 +343,21 @@ def test_an_adapter_of_the_last_layers_only_is_read_by_their_stage(
 # -- micro-batches mixing adapters -------------------------------------------------------------
 
 
+@pytest.fixture()
+def row_masks(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Each per-row mask the adapted modules build (its ``sorted_rows``): a pass mixing
+    adapters in one batch builds some; rows run one by one build none."""
+    calls: list[bool] = []
+    row_mask = adapter_modules._row_mask
+
+    def spy(bank: Any, name: str, y: mx.array, sorted_rows: bool) -> mx.array:
+        calls.append(sorted_rows)
+        return row_mask(bank, name, y, sorted_rows)
+
+    monkeypatch.setattr(adapter_modules, "_row_mask", spy)
+    return calls
+
+
 def _prompts(rows: int) -> list[list[int]]:
     """Distinct prompts of one length (no padding in the batched caches)."""
     return [[(t + 17 * i) % 250 + 3 for t in PROMPT[:24]] for i in range(rows)]
@@ -348,7 +365,7 @@ def _prompts(rows: int) -> list[list[int]]:
 
 @pytest.mark.parametrize("family", ["llama", "mixtral", "deepseek_v3"])
 def test_a_micro_batch_mixing_adapters_decodes_each_row_as_alone(
-    trained: Callable[..., tuple[Path, Path]], family: str
+    trained: Callable[..., tuple[Path, Path]], row_masks: list[bool], family: str
 ) -> None:
     model_dir, adapter_a = trained(family)
     _, adapter_b = trained(family, "b")
@@ -362,7 +379,9 @@ def test_a_micro_batch_mixing_adapters_decodes_each_row_as_alone(
         alone = [runner_greedy(runners, a, p) for a, p in zip(choice, prompts, strict=True)]
         for a, row, base_row in zip(choice, alone, base, strict=True):
             assert (row != base_row) == (a is not None), "an adapter that changes nothing"
+        row_masks.clear()
         assert group_greedy(runners, [list(p) for p in prompts], list(choice)) == alone, choice
+        assert row_masks, "the rows never ran in one batch"
     # and the rows equal mlx-lm's own answers with those adapters
     refs = {a: mlx_lm_model(model_dir, d) for a, d in (("a", adapter_a), ("b", adapter_b))}
     refs[None] = mlx_lm_model(model_dir, None)  # type: ignore[index]
@@ -371,7 +390,7 @@ def test_a_micro_batch_mixing_adapters_decodes_each_row_as_alone(
 
 
 def test_32_moe_rows_sorted_by_expert_keep_their_adapters(
-    trained: Callable[..., tuple[Path, Path]], monkeypatch: pytest.MonkeyPatch
+    trained: Callable[..., tuple[Path, Path]], row_masks: list[bool]
 ) -> None:
     """32 decode rows x top-2 = 64 routing entries: mlx-lm's SwitchGLU sorts them by expert,
     so the expert layers see rows out of order; each row must still get its own adapter."""
@@ -380,19 +399,11 @@ def test_32_moe_rows_sorted_by_expert_keep_their_adapters(
     _, adapter_b = trained("mixtral", "b")
     stages = two_stages(model_dir, "mixtral", adapters={"a": adapter_a, "b": adapter_b})
     runners = [StageRunner(s) for s in stages]
-    sorted_calls: list[bool] = []
-    row_mask = adapter_modules._row_mask
-
-    def spy(bank: Any, name: str, y: mx.array, sorted_rows: bool) -> mx.array:
-        sorted_calls.append(sorted_rows)
-        return row_mask(bank, name, y, sorted_rows)
-
-    monkeypatch.setattr(adapter_modules, "_row_mask", spy)
     rows = 32
     choice: list[str | None] = [("a", None, "b", "a", None)[i % 5] for i in range(rows)]
     prompts = _prompts(rows)
     got = group_greedy(runners, prompts, choice, n=8)
-    assert any(sorted_calls), "the expert layers never ran sorted: the case is not exercised"
+    assert any(row_masks), "the expert layers never ran sorted: the case is not exercised"
 
     refs = {None: mlx_lm_model(model_dir, None), "a": mlx_lm_model(model_dir, adapter_a),
             "b": mlx_lm_model(model_dir, adapter_b)}  # fmt: skip
@@ -462,6 +473,26 @@ def test_an_adapter_trained_on_another_model_is_refused(
         "--adapter: adapts model.layers.0.mlp.down_proj, which model_type 'mixtral' does not "
         "have; was it trained on another model?"
     )
+
+
+def test_a_refused_reload_keeps_the_adapter_of_that_name_running(
+    trained: Callable[..., tuple[Path, Path]], tiny_model: Callable[..., Path]
+) -> None:
+    """Loading a bad file under a name in use leaves the one held before, as it was."""
+    model_dir, adapter = trained("llama")
+    _, other = trained("mixtral")  # adapts modules this llama does not have
+    stages = two_stages(model_dir, "llama")
+    runners = [StageRunner(stage) for stage in stages]
+    for stage in stages:
+        assert stage.adapters is not None
+        stage.adapters.load("a", adapter)
+    before = runner_greedy(runners, "a")
+    for stage in stages:
+        assert stage.adapters is not None
+        with pytest.raises(ConfigurationError, match="does not have"):
+            stage.adapters.load("a", other)
+        assert stage.adapters.named["a"].path == str(adapter)
+    assert runner_greedy(runners, "a") == before == greedy(mlx_lm_model(model_dir, adapter))
 
 
 def test_a_dora_adapter_on_moe_experts_is_refused(

@@ -950,7 +950,13 @@ def test_schema_documents_every_field() -> None:
     for model in models:
         for name, prop in model["properties"].items():
             assert prop.get("description"), f"{model['title']}.{name} has no description"
-    assert set(schema["$defs"]) == {"ClusterSection", "ElasticPolicy", "FailoverPolicy", "Node"}
+    assert set(schema["$defs"]) == {
+        "AdapterEntry",
+        "ClusterSection",
+        "ElasticPolicy",
+        "FailoverPolicy",
+        "Node",
+    }
     assert "standby" in schema["$defs"]["Node"]["properties"]["role"]["enum"]
 
 

@@ -259,22 +259,6 @@ def add_admin_routes(
         outcome = await controller.prepare(body.max_rate_bytes_s, body.nodes)
         return _json(outcome, status=202 if outcome.get("accepted") else 409)
 
-    async def adapter_load(request: web.Request) -> web.Response:
-        try:
-            body = AdapterLoadRequest.model_validate_json(request[_BODY] or b"{}")
-        except ValidationError as exc:
-            return error_response(_invalid(exc, "invalid_adapter_request"))
-        outcome = await controller.adapter_load(body.name, body.path)
-        return _json(outcome, status=200 if outcome.get("accepted") else 409)
-
-    async def adapter_unload(request: web.Request) -> web.Response:
-        try:
-            body = AdapterUnloadRequest.model_validate_json(request[_BODY] or b"{}")
-        except ValidationError as exc:
-            return error_response(_invalid(exc, "invalid_adapter_request"))
-        outcome = await controller.adapter_unload(body.name, body.drain_timeout_s)
-        return _json(outcome, status=200 if outcome.get("accepted") else 409)
-
     async def events(request: web.Request) -> web.Response:
         try:
             after = int(request.query.get("after", "-1"))
@@ -296,8 +280,32 @@ def add_admin_routes(
     app.router.add_post(REPARTITION_PATH, guarded(REPARTITION_PATH, repartition))
     app.router.add_get(EVENTS_PATH, guarded(EVENTS_PATH, events), allow_head=False)
     app.router.add_post(PREPARE_PATH, guarded(PREPARE_PATH, prepare))
-    app.router.add_post(ADAPTERS_PATH, guarded(ADAPTERS_PATH, adapter_load))
-    app.router.add_post(ADAPTERS_UNLOAD_PATH, guarded(ADAPTERS_UNLOAD_PATH, adapter_unload))
+    for path, action in _adapter_routes(controller).items():
+        app.router.add_post(path, guarded(path, action))
+
+
+def _adapter_routes(
+    controller: AdminController,
+) -> dict[str, Callable[[web.Request], Awaitable[web.Response]]]:
+    """POST /admin/v1/adapters (load) and /admin/v1/adapters/unload (docs/adapters.md)."""
+
+    async def adapter_load(request: web.Request) -> web.Response:
+        try:
+            body = AdapterLoadRequest.model_validate_json(request[_BODY] or b"{}")
+        except ValidationError as exc:
+            return error_response(_invalid(exc, "invalid_adapter_request"))
+        outcome = await controller.adapter_load(body.name, body.path)
+        return _json(outcome, status=200 if outcome.get("accepted") else 409)
+
+    async def adapter_unload(request: web.Request) -> web.Response:
+        try:
+            body = AdapterUnloadRequest.model_validate_json(request[_BODY] or b"{}")
+        except ValidationError as exc:
+            return error_response(_invalid(exc, "invalid_adapter_request"))
+        outcome = await controller.adapter_unload(body.name, body.drain_timeout_s)
+        return _json(outcome, status=200 if outcome.get("accepted") else 409)
+
+    return {ADAPTERS_PATH: adapter_load, ADAPTERS_UNLOAD_PATH: adapter_unload}
 
 
 def _invalid(exc: ValidationError, code: str) -> ApiError:

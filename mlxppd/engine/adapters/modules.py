@@ -116,7 +116,7 @@ def _mlx_layer(base: Any, weights: AdapterWeights, leaves: dict[str, mx.array], 
                 f"{None if held is None else tuple(held.shape)}; was it trained on another model?",
                 source=str(weights.path),
             )
-        setattr(layer, leaf, tensor.astype(held.dtype))
+        setattr(layer, leaf, tensor)  # the file's dtype, as mlx-lm's load_adapters keeps it
     return layer
 
 
@@ -257,10 +257,12 @@ def _update_for(base: Any, weights: AdapterWeights, leaves: dict[str, mx.array],
 
 
 def add_named(
-    model: nn.Module, name: str, weights: AdapterWeights, family: str, selection: Selection
-) -> int:
+    model: nn.Module, name: str, weights: AdapterWeights, family: str, selection: Selection,
+    replace: bool = False,
+) -> int:  # fmt: skip
     """Load adapter ``name`` beside the others on ``model``'s modules; returns how many
-    modules it adapts. All or nothing: a module it cannot adapt leaves the model as it was."""
+    modules it adapts. All or nothing: a module it cannot adapt leaves the model as it was
+    (``replace``: one of that name held before stays until the new one is known good)."""
     staged = []
     for module, leaves in sorted(weights.modules.items()):
         parent, key, base = _lookup(model, family, module)
@@ -271,6 +273,8 @@ def add_named(
             if not isinstance(holder, SwitchGLU | SwitchMLP):
                 raise _refuse(family, module, base, "its MoE block is not mlx-lm's SwitchGLU")
         staged.append((module, base, plain, _update_for(base, weights, leaves, family, module)))
+    if replace:
+        remove_named(model, name)
     for module, base, plain, update in staged:
         bank = getattr(base, "_mlxpp_bank", None)
         if bank is None:

@@ -72,9 +72,9 @@ class StageAdapters:
     def load(self, name: str, path: Path) -> AdapterInfo:
         """Hold adapter ``name`` for the requests that choose it (replacing one of that name)."""
         weights = read_adapter(path, self._wanted)
-        if name in self.named:
-            remove_named(self.model, name)
-        modules = add_named(self.model, name, weights, self.family, self.selection)
+        modules = add_named(
+            self.model, name, weights, self.family, self.selection, replace=name in self.named
+        )
         info = AdapterInfo(
             name, str(path), weights.config.kind, weights.digest, weights.read, weights.stored,
             modules,
