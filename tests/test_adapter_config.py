@@ -210,3 +210,17 @@ def test_a_bad_adapter_flag_is_one_line_and_exit_2(argv: list[str], says: str) -
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and says in lines[0], proc.stderr
+
+
+def test_adapter_flags_go_on_top_of_a_nodes_toml() -> None:
+    from mlxppd.runtime.serve import with_adapter_flags
+
+    cfg = parse_cluster_config(
+        TOML + '\n[[adapters]]\nname = "pirate"\npath = "/srv/pirate"\n', "cluster.toml"
+    )
+    got = with_adapter_flags(cfg, ("/opt/fused", "pirate=/opt/pirate", "robot=/opt/robot"))
+    assert got.cluster.adapter == "/opt/fused"
+    assert [(a.name, a.path) for a in got.adapters] == [
+        ("pirate", "/opt/pirate"), ("robot", "/opt/robot"),
+    ]  # fmt: skip
+    assert with_adapter_flags(cfg, ()) is cfg

@@ -37,13 +37,17 @@ from mlx_lm.tuner.utils import load_adapters
 from mlxppd.core.cpu_weights import CpuWeights
 from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.layer_ranges import parse_pp_layers
+from mlxppd.core.model_identity import difference
+from mlxppd.core.profile.model import read_model_config
 from mlxppd.core.stages import StageSpec, stage_specs
 from mlxppd.engine.adapters import ensure_no_adapter
 from mlxppd.engine.adapters import modules as adapter_modules
 from mlxppd.engine.families import family_for
 from mlxppd.engine.pipeline import InProcessPipeline
 from mlxppd.engine.stage import LoadedStage, load_stage
+from mlxppd.engine.stage_digest import stage_identity
 from mlxppd.engine.stage_runner import StageRunner
+from mlxppd.runtime.pipeline.identity_check import IdentityReference
 from tests.family_cases import CASES
 from tests.reference_support import load_reference_model, served_weights
 from tests.test_family_parity import ALL_CASES, PROMPT
@@ -536,3 +540,23 @@ def test_a_family_marked_unable_is_refused_in_one_sentence() -> None:
         "--adapter: model_type 'x' cannot run LoRA adapters: its layers are not linear"
     )
     ensure_no_adapter(family_for(CASES["llama"][0]), CASES["llama"][0])
+
+
+def test_a_stage_with_another_adapter_file_is_refused_by_the_identity_check(
+    trained: Callable[..., tuple[Path, Path]],
+) -> None:
+    """The coordinator's expected identity carries the digest of its copy of the adapter over
+    each stage's layers; a stage that loaded another file differs, in one sentence."""
+    model_dir, adapter = trained("llama")
+    _, other = trained("llama", tag="b")
+    config = read_model_config(model_dir)
+    for stage in two_stages(model_dir, "llama", adapter=other):
+        assert stage.adapters is not None
+        actual = stage_identity(model_dir, stage.spec, config).model_copy(
+            update={"adapters": dict(stage.adapters.digests())}
+        )
+        same = IdentityReference(model_dir, config, adapters=lambda: {"": other})
+        assert difference(same.expected(stage.spec), actual) is None
+        cluster = IdentityReference(model_dir, config, adapters=lambda: {"": adapter})
+        found = difference(cluster.expected(stage.spec), actual)
+        assert found is not None and found.startswith("its fused adapter differs: sha256 ")

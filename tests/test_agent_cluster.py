@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from mlxppd.engine.blas import blas_in_use
+from tests.adapter_support import adapted_answers, random_adapter
 from tests.agent_support import (
     CHAT,
     STREAM_AND_SIGNAL,
@@ -49,15 +50,24 @@ secret_file = "{secret}"
 
 
 @pytest.fixture(scope="module")
-def reference(embedded_model_dir: Path) -> dict[str, str]:
-    """Single-process mlx-lm's greedy answers (16 tokens)."""
+def tuned(tmp_path_factory: pytest.TempPathFactory, embedded_model_dir: Path) -> Path:
+    """A per-request adapter over the last 20 layers (both stages hold some of it)."""
+    return random_adapter(embedded_model_dir, tmp_path_factory.mktemp("tuned"), num_layers=20)
+
+
+@pytest.fixture(scope="module")
+def reference(embedded_model_dir: Path, tuned: Path) -> dict[str, str]:
+    """Single-process mlx-lm's greedy answers (16 tokens; "tuned": with the adapter)."""
     answers = greedy_answers(embedded_model_dir, [(q, 16) for q in (QUESTION, SECOND)])
-    return {q: answer for (q, _), answer in answers.items()}
+    out = {q: answer for (q, _), answer in answers.items()}
+    out["tuned"] = adapted_answers(embedded_model_dir, tuned, [(QUESTION, 16)])[(QUESTION, 16)]
+    assert out["tuned"] != out[QUESTION]  # not vacuous
+    return out
 
 
 class Cluster:
-    def __init__(self, hosts: Hosts, root: Path, agents: list[AgentProcess]):
-        self.hosts, self.root, self.agents = hosts, root, agents
+    def __init__(self, hosts: Hosts, root: Path, agents: list[AgentProcess], adapter: Path):
+        self.hosts, self.root, self.agents, self.adapter = hosts, root, agents, adapter
         self.url = f"http://{hosts.addresses[0]}:{HTTP_PORT}"
 
     def write_cluster(self, text: str) -> None:
@@ -67,10 +77,9 @@ class Cluster:
             tmp.write_text(text)
             os.replace(tmp, agent.config_dir / "cluster.toml")
 
-    def chat(self, question: str, max_tokens: int = 16) -> dict[str, Any]:
-        result: dict[str, Any] = in_host_python(
-            self.hosts, 0, CHAT, self.url, question, str(max_tokens)
-        )
+    def chat(self, question: str, max_tokens: int = 16, model: str | None = None) -> dict[str, Any]:
+        args = [question, str(max_tokens), *([model] if model else [])]
+        result: dict[str, Any] = in_host_python(self.hosts, 0, CHAT, self.url, *args)
         return result
 
     def status(self) -> dict[str, Any]:
@@ -91,15 +100,17 @@ class Cluster:
         return wait_for_status(self.status, predicate, timeout, logs)
 
 
-def cluster_text(hosts: Hosts, secret: Path, layers: str = "") -> str:
+def cluster_text(hosts: Hosts, secret: Path, adapter: Path, layers: str = "") -> str:
     a0, a1, a2 = hosts.addresses
     nodes = node_tables(f"{a0}:19000", f"{a1}:19001", f"{a2}:19001")
-    return CLUSTER.format(secret=secret, layers=layers) + "\n" + nodes
+    # A per-request adapter from the TOML, as the agent reads it (docs/adapters.md).
+    adapters = f'\n[[adapters]]\nname = "tuned"\npath = "{adapter}"\n'
+    return CLUSTER.format(secret=secret, layers=layers) + "\n" + nodes + adapters
 
 
 @pytest.fixture(scope="module")
 def cluster(
-    tmp_path_factory: pytest.TempPathFactory, embedded_model_dir: Path, model_cache: Path
+    tmp_path_factory: pytest.TempPathFactory, tuned: Path, model_cache: Path
 ) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("agents")
     secret = root / "cluster.secret"
@@ -109,7 +120,7 @@ def cluster(
     agents: list[AgentProcess] = []
     env = {**os.environ, "MLXPP_MODEL_CACHE": str(model_cache), "HF_HUB_OFFLINE": "1"}
     try:
-        text = cluster_text(hosts, secret)
+        text = cluster_text(hosts, secret, tuned)
         for i in range(3):
             config_dir = root / f"host{i}" / "etc"
             config_dir.mkdir(parents=True)
@@ -126,7 +137,7 @@ def cluster(
                 agent.notify.wait_for("READY", timeout=300)
             except AssertionError:
                 raise AssertionError(agent.log()[-4000:]) from None
-        yield Cluster(hosts, root, agents)
+        yield Cluster(hosts, root, agents, tuned)
     finally:
         for agent in agents:
             agent.stop(timeout=30)
@@ -143,6 +154,8 @@ def test_agents_find_their_nodes_and_answer_like_mlx_lm(
     answer = cluster.chat(QUESTION)
     assert answer["status"] == 200, answer
     assert answer["body"]["choices"][0]["message"]["content"] == reference[QUESTION]
+    tuned = cluster.chat(QUESTION, model="tuned")
+    assert tuned["body"]["choices"][0]["message"]["content"] == reference["tuned"], tuned
 
 
 def test_status_shows_every_stage(cluster: Cluster, embedded_model_dir: Path) -> None:
@@ -166,7 +179,9 @@ def test_new_layer_ranges_reconcile_without_restart(
 ) -> None:
     pids = [a.process.pid for a in cluster.agents]
     secret = cluster.root / "cluster.secret"
-    cluster.write_cluster(cluster_text(cluster.hosts, secret, 'layers = ["0-9", "10-29"]'))
+    cluster.write_cluster(
+        cluster_text(cluster.hosts, secret, cluster.adapter, 'layers = ["0-9", "10-29"]')
+    )
 
     def moved(d: dict[str, Any]) -> bool:
         return [s["layers"] for s in d["stages"]] == ["0-9", "10-29"] and d["health"] == "healthy"
@@ -180,6 +195,9 @@ def test_new_layer_ranges_reconcile_without_restart(
         answer = cluster.chat(question)
         assert answer["status"] == 200, answer
         assert answer["body"]["choices"][0]["message"]["content"] == reference[question]
+    # The stages moved their layers and kept the adapter, re-read for the layers they gained.
+    tuned = cluster.chat(QUESTION, model="tuned")
+    assert tuned["body"]["choices"][0]["message"]["content"] == reference["tuned"], tuned
     log = cluster.agents[1].log()
     assert "ReloadStage stage 0 layers 0-9" in log and "now serves layers 0-9" in log
 
