@@ -74,10 +74,12 @@ def train_adapter(
     return out
 
 
-def random_adapter(model_dir: Path, out: Path, *, num_layers: int = 4, seed: int = 0) -> Path:
-    """An untrained adapter in mlx-lm's layout (its LoRA layers over the last ``num_layers``
-    blocks, ``lora_b`` drawn at random so it changes the answer): for tests that need an
-    adapter but not a trained one."""
+def random_adapter(
+    model_dir: Path, out: Path, *, num_layers: int = 4, seed: int = 0, kind: str = "lora"
+) -> Path:
+    """An untrained adapter in mlx-lm's layout (mlx-lm's LoRA or DoRA layers over the last
+    ``num_layers`` blocks, ``lora_b`` drawn at random so it changes the answer): for tests
+    that need an adapter but not a trained one (training one costs ~10 s of CPU)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.tuner.utils import linear_to_lora_layers
@@ -88,14 +90,14 @@ def random_adapter(model_dir: Path, out: Path, *, num_layers: int = 4, seed: int
     model = load_reference_model(model_dir)
     model.freeze()
     params = {"rank": 4, "dropout": 0.0, "scale": 20.0}
-    linear_to_lora_layers(model, num_layers, params)
+    linear_to_lora_layers(model, num_layers, params, use_dora=kind == "dora")
     weights = dict(tree_flatten(model.trainable_parameters()))
     for name in weights:
         if name.endswith("lora_b"):
             weights[name] = 0.02 * mx.random.normal(weights[name].shape)
     out.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(out / "adapters.safetensors"), weights)
-    config = {"fine_tune_type": "lora", "num_layers": num_layers, "lora_parameters": params}
+    config = {"fine_tune_type": kind, "num_layers": num_layers, "lora_parameters": params}
     (out / "adapter_config.json").write_text(json.dumps(config))
     return out
 

@@ -48,6 +48,7 @@ from mlxppd.engine.stage import LoadedStage, load_stage
 from mlxppd.engine.stage_digest import stage_identity
 from mlxppd.engine.stage_runner import StageRunner
 from mlxppd.runtime.pipeline.identity_check import IdentityReference
+from tests.adapter_support import as_peft
 from tests.family_cases import CASES
 from tests.reference_support import load_reference_model, served_weights
 from tests.test_family_parity import ALL_CASES, PROMPT
@@ -284,6 +285,19 @@ def test_two_stages_with_an_adapter_decode_like_mlx_lm(
     assert runner_greedy(runners, "a") == want
     assert runner_greedy(runners, None) == base  # the same stages still serve the base model
     assert_reads_own_layers(kept, adapter, "a")
+
+
+def test_a_peft_adapter_is_read_as_the_same_adapter(
+    trained: Callable[..., tuple[Path, Path]], tmp_path: Path
+) -> None:
+    """The same adapter in PEFT's layout (lora_A/lora_B transposed, alpha = scale x r)."""
+    model_dir, adapter = trained("llama")
+    peft = as_peft(adapter, tmp_path / "peft")
+    want = greedy(mlx_lm_model(model_dir, adapter))
+    fused = two_stages(model_dir, "llama", adapter=peft)
+    assert [s.token for s in InProcessPipeline(fused).generate(PROMPT, N_TOKENS)] == want
+    kept = two_stages(model_dir, "llama", adapters={"p": peft})
+    assert runner_greedy([StageRunner(stage) for stage in kept], "p") == want
 
 
 def test_dora_on_llama_fused_and_per_request_decode_like_mlx_lm(

@@ -23,7 +23,7 @@ from mlxppd.core.adapters import MLX_FILE, tensor_name
 from mlxppd.core.stage_tensors import layer_of
 from mlxppd.engine.stage_digest import safetensors_header
 from mlxppd.wire.secret import write_new_secret
-from tests.adapter_support import PIRATE, ROBOT, adapted_answers, as_peft, train_adapter
+from tests.adapter_support import PIRATE, adapted_answers, random_adapter, train_adapter
 from tests.cluster_support import RunningCluster, start_cluster, wait_gone
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -35,13 +35,15 @@ MLXPPCTL = [sys.executable, "-m", "mlxppd.cli.mlxppctl_main"]
 
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory: pytest.TempPathFactory, embedded_model_dir: Path) -> dict[str, Path]:
-    """Three adapters by mlx-lm's trainer: two LoRA over every layer, one DoRA over the last 8."""
+    """pirate: trained by mlx-lm's trainer (LoRA over every layer); robot: LoRA over every
+    layer and third: DoRA over the last 8, both in mlx-lm's layout with random weights (a
+    trained one costs ~10 s of CPU, and serving does not depend on what it learned)."""
     root = tmp_path_factory.mktemp("adapters")
     return {
         "pirate": train_adapter(embedded_model_dir, root / "pirate", PIRATE, iters=6),
-        "robot": train_adapter(embedded_model_dir, root / "robot", ROBOT, iters=6, seed=1),
-        "third": train_adapter(
-            embedded_model_dir, root / "third", PIRATE, iters=4, num_layers=8, kind="dora", seed=2
+        "robot": random_adapter(embedded_model_dir, root / "robot", num_layers=30, seed=1),
+        "third": random_adapter(
+            embedded_model_dir, root / "third", num_layers=8, seed=2, kind="dora"
         ),
     }
 
@@ -92,17 +94,6 @@ def test_generate_with_an_adapter_equals_mlx_lm_and_each_stage_reads_only_its_la
         own = sum(n for layer, n in per_layer.items() if int(first) <= layer <= int(last))
         assert int(read) == own and int(stored) == sum(per_layer.values())
     assert sum(int(read) for read, _ in reads) == sum(per_layer.values())
-
-
-def test_a_peft_adapter_is_read_as_the_same_adapter(
-    tmp_path: Path, adapters: dict[str, Path], reference: dict[str | None, str], model_cache: Path
-) -> None:
-    peft = as_peft(adapters["pirate"], tmp_path / "peft")
-    cmd = [sys.executable, "-m", "mlxppd.cli.mlxppd_main", "generate", "--pp-size", "2"]
-    cmd += ["--adapter", str(peft), "-n", str(TOKENS), "--json", "-p", QUESTION]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(model_cache), timeout=600)
-    assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout)["text"] == reference["pirate"]
 
 
 def test_a_served_cluster_with_a_fused_adapter_answers_like_mlx_lm(

@@ -7,6 +7,8 @@ only the tensors the pruned model still has are ever evaluated, i.e. read from d
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +21,7 @@ from mlx.utils import tree_flatten
 from mlxppd.core.cpu_weights import CpuWeights
 from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.model_identity import StageIdentity
+from mlxppd.core.profile.families import FAMILIES
 from mlxppd.core.profile.model import read_model_config
 from mlxppd.core.stages import StageSpec
 from mlxppd.engine.adapters.stage_adapters import StageAdapters, attach_adapters
@@ -57,7 +60,16 @@ class LoadedStage:
 
 
 def model_classes(config: dict[str, Any]) -> tuple[Any, Any]:
-    """mlx-lm's (Model, ModelArgs) classes for a config."""
+    """mlx-lm's (Model, ModelArgs) classes for a config.
+
+    A family this build runs whose model_type names an mlx-lm models module is that module,
+    as mlx-lm's own lookup finds it (``tests/test_family_parity.py`` checks they agree), without
+    importing ``mlx_lm.utils`` and ``transformers`` with it; other types (remapped ones, such as
+    mistral) go through mlx-lm's lookup."""
+    model_type = str(config.get("model_type"))
+    if model_type in FAMILIES and importlib.util.find_spec(f"mlx_lm.models.{model_type}"):
+        module = importlib.import_module(f"mlx_lm.models.{model_type}")
+        return module.Model, module.ModelArgs
     from mlx_lm.utils import _get_classes
 
     return cast(tuple[Any, Any], _get_classes(config))

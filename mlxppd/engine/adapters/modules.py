@@ -26,8 +26,6 @@ from mlx_lm.models.switch_layers import (
     SwitchLinear,
     SwitchMLP,
 )
-from mlx_lm.tuner.dora import DoRALinear
-from mlx_lm.tuner.lora import LoRALinear, LoRASwitchLinear
 
 from mlxppd.core.errors import ConfigurationError
 from mlxppd.engine.adapters.reader import AdapterWeights
@@ -98,6 +96,10 @@ def _lookup(model: nn.Module, family: str, module: str) -> tuple[Any, str, Any]:
 def _mlx_layer(base: Any, weights: AdapterWeights, leaves: dict[str, mx.array], family: str,
                module: str) -> Any:  # fmt: skip
     """mlx-lm's LoRA or DoRA layer over ``base`` holding the file's tensors."""
+    # mlx-lm's tuner package imports its trainer (and transformers): only when an adapter is used.
+    from mlx_lm.tuner.dora import DoRALinear
+    from mlx_lm.tuner.lora import LoRALinear, LoRASwitchLinear
+
     cfg = weights.config
     if isinstance(base, _LINEAR):
         cls: Any = DoRALinear if cfg.kind == "dora" else LoRALinear
