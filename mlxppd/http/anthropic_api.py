@@ -32,18 +32,17 @@ from mlxppd.http.anthropic_models import (
     MessagesRequest,
 )
 from mlxppd.http.anthropic_tools import chat_messages, reply_blocks, tool_plan
+from mlxppd.http.api_state import STATE, ApiState
 from mlxppd.http.chat_prompt import chat_prompt
 from mlxppd.http.completion import ClientGone, Generation
 from mlxppd.http.errors import ApiError, from_backend_error, invalid
+from mlxppd.http.models_api import check_model
 from mlxppd.http.openai_api import (
-    STATE,
-    _check_model,
     _choice_params,
     _log_of,
     _max_tokens,
     _off_loop,
     _read_json,
-    _State,
     _tokenizer,
 )
 from mlxppd.http.sse import SseWriter
@@ -110,7 +109,7 @@ def _turns(body: Conversation) -> tuple[list[dict[str, Any]], bool]:
     return turns, continued
 
 
-async def _prompt(state: _State, body: Conversation, plan: ToolPlan) -> tuple[list[int], bool]:
+async def _prompt(state: ApiState, body: Conversation, plan: ToolPlan) -> tuple[list[int], bool]:
     """The prompt's tokens, and whether they end in a prefill the reply continues."""
     tokenizer = _tokenizer(state)
     if not (getattr(tokenizer, "has_chat_template", None) or tokenizer.chat_template):
@@ -133,7 +132,7 @@ async def _prompt(state: _State, body: Conversation, plan: ToolPlan) -> tuple[li
 
 
 def _sampling(
-    state: _State, body: MessagesRequest, n_prompt: int, plan: ToolPlan
+    state: ApiState, body: MessagesRequest, n_prompt: int, plan: ToolPlan
 ) -> SamplingParams:
     """The request's sampling parameters, max_tokens checked against the context as for chat."""
     parsed = ParsedRequest(
@@ -326,7 +325,7 @@ def _gone(request: web.Request) -> Callable[[], bool]:
 async def _messages(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = validate(MessagesRequest, await _read_json(request))
-    _check_model(state, body.model)
+    check_model(state, body.model)
     plan = _tools(body)
     prompt, continued = await _prompt(state, body, plan)
     params = _sampling(state, body, len(prompt), plan)
@@ -404,7 +403,7 @@ async def _stream(
 async def _count_tokens(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body = validate(CountTokensRequest, await _read_json(request))
-    _check_model(state, body.model)
+    check_model(state, body.model)
     plan = _tools(body)
     prompt, _ = await _prompt(state, body, plan)
     request_id = _log_of(request).request_id

@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from aiohttp import web
@@ -24,6 +24,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from mlxppd.core.log_text import escape
 from mlxppd.core.protocol.sampling import GrammarSpec
 from mlxppd.http.admin_api import AdminApi, add_admin_routes
+from mlxppd.http.api_state import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_MAX_IN_FLIGHT,
+    STATE,
+    ApiState,
+)
 from mlxppd.http.chat_prompt import chat_prompt
 from mlxppd.http.completion import ClientGone, Generation, Piece, TokenInfo, start_all
 from mlxppd.http.errors import (
@@ -33,12 +39,12 @@ from mlxppd.http.errors import (
     from_backend_error,
     invalid,
 )
+from mlxppd.http.models_api import adapter_registry, check_model, get_model, list_models
 from mlxppd.http.responses import Shape
 from mlxppd.http.sse import SseWriter
 from mlxppd.http.tools import ContentHoldback, ToolPlan, plan_tools
 from mlxppd.http.validation import ParsedRequest, parse_chat, parse_completion, parse_json_body
 from mlxppd.runtime.observability.metrics import PipelineMetrics
-from mlxppd.runtime.pipeline.adapter_registry import AdapterRegistry
 from mlxppd.runtime.pipeline.backend import (
     AdmissionRejected,
     BackendUnavailable,
@@ -53,47 +59,11 @@ log = logging.getLogger("mlxppd.http")
 T = TypeVar("T")
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_TOKENS = 512
-#: requests handled at once; more get a 503 with Retry-After (the KV budget admits fewer)
-DEFAULT_MAX_IN_FLIGHT = 256
-#: seconds a client has to send its whole body once the headers are in
-DEFAULT_BODY_TIMEOUT_S = 30.0
 #: paths under the api key when one is set (/health answers everyone, in one word)
 _KEYED_PREFIXES = ("/v1/", "/metrics", "/console/v1/")
-#: tokenizers report ~1e30 when they do not know the context; above this we treat it as unknown
-_CONTEXT_SANITY = 10_000_000
 FALLBACK_MAX_PROMPT_TOKENS = 32_768
 #: how the seeds of a request's choices differ (an odd 64-bit constant: distinct for any n)
 _SEED_STRIDE = 0x9E3779B97F4A7C15
-
-
-@dataclass
-class _State:
-    backend: GenerationBackend
-    model_name: str
-    api_key: bytes | None
-    context_tokens: int | None
-    default_max_tokens: int
-    max_body_bytes: int
-    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
-    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
-    in_flight: int = 0
-    created: int = field(default_factory=lambda: int(time.time()))
-    #: one thread: tokenizing a 4 MiB prompt must not stall the event loop, and one worker
-    #: keeps HF tokenizers from being mutated from two threads at once
-    tokenize: ThreadPoolExecutor | None = None
-    #: request counters (None: metrics off)
-    metrics: PipelineMetrics | None = None
-
-    def context(self) -> int | None:
-        if self.context_tokens is not None:
-            return self.context_tokens
-        known = getattr(self.backend.tokenizer, "model_max_length", None)
-        if isinstance(known, int) and 0 < known < _CONTEXT_SANITY:
-            return known
-        return None
-
-
-STATE = web.AppKey("mlxpp_openai_state", _State)
 
 
 @dataclass
@@ -148,7 +118,7 @@ def create_app(
     """
     if api_key is not None and not api_key:
         raise ValueError("api_key must not be empty; pass None to disable authentication")
-    state = _State(
+    state = ApiState(
         backend=backend,
         model_name=alias or backend.model_id,
         api_key=api_key.encode() if api_key is not None else None,
@@ -164,8 +134,8 @@ def create_app(
     app.cleanup_ctx.append(_tokenizer_thread)
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_post("/v1/completions", _completions)
-    app.router.add_get("/v1/models", _models)
-    app.router.add_get("/v1/models/{model:.+}", _model)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model:.+}", get_model)
     app.router.add_get("/health", _health)
     if metrics is not None and metrics_route:
         app.router.add_get("/metrics", metrics_handler(metrics))
@@ -201,14 +171,14 @@ async def _tokenizer_thread(app: web.Application) -> AsyncIterator[None]:
     state.tokenize = None
 
 
-async def _off_loop(state: _State, fn: Callable[[], T]) -> T:
+async def _off_loop(state: ApiState, fn: Callable[[], T]) -> T:
     return await asyncio.get_running_loop().run_in_executor(state.tokenize, fn)
 
 
 # --- middleware: request id, auth, errors, one log line per request ---
 
 
-def _has_key(state: _State, request: web.Request) -> bool:
+def _has_key(state: ApiState, request: web.Request) -> bool:
     """True when no key is set, or the request carries it: ``Authorization: Bearer <key>``, or
     ``x-api-key: <key>`` as Anthropic's clients send it."""
     if state.api_key is None:
@@ -220,7 +190,7 @@ def _has_key(state: _State, request: web.Request) -> bool:
     return hmac.compare_digest(key, state.api_key)
 
 
-def _authorized(state: _State, request: web.Request) -> bool:
+def _authorized(state: ApiState, request: web.Request) -> bool:
     # /admin routes check their own signatures; /health decides what it tells.
     return not request.path.startswith(_KEYED_PREFIXES) or _has_key(state, request)
 
@@ -237,7 +207,7 @@ def _check_headers(request: web.Request) -> None:
 
 
 @contextlib.contextmanager
-def _counted(state: _State, request: web.Request) -> Iterator[None]:
+def _counted(state: ApiState, request: web.Request) -> Iterator[None]:
     """One more request in flight, or a 503 when the cap is reached (only /v1 counts)."""
     if not request.path.startswith("/v1/"):
         yield
@@ -325,39 +295,6 @@ async def _middleware(
 # --- models and health ---
 
 
-def _model_card(state: _State) -> dict[str, Any]:
-    return {
-        "id": state.model_name,
-        "object": "model",
-        "created": state.created,
-        "owned_by": "mlxpp",
-    }
-
-
-def _adapter_cards(state: _State) -> list[dict[str, Any]]:
-    registry = adapter_registry(state.backend)
-    names = registry.names() if registry is not None else []
-    return [{**_model_card(state), "id": n, "parent": state.model_name} for n in names]
-
-
-async def _models(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    # The base model, then each per-request adapter (a request's model picks one).
-    cards = [_model_card(state), *_adapter_cards(state)]
-    return web.json_response({"object": "list", "data": cards})
-
-
-async def _model(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    name = request.match_info["model"]
-    if name in (state.model_name, state.backend.model_id):
-        return web.json_response(_model_card(state))
-    for card in _adapter_cards(state):
-        if card["id"] == name:
-            return web.json_response(card)
-    raise ApiError(404, f"the model '{name}' does not exist", param="model", code="model_not_found")
-
-
 async def _health(request: web.Request) -> web.Response:
     state = request.app[STATE]
     health = state.backend.health()
@@ -389,23 +326,7 @@ async def _read_json(request: web.Request) -> dict[str, Any]:
     return parse_json_body(raw)
 
 
-def _check_model(state: _State, model: str | None) -> None:
-    if model is None or model in (state.model_name, state.backend.model_id):
-        return
-    registry = adapter_registry(state.backend)
-    if registry is not None and registry.path(model) is not None:
-        return  # an adapter (one being unloaded is refused with 409 when the request starts)
-    adapters = registry.names() if registry is not None else []
-    served = ", ".join(f"'{n}'" for n in [state.model_name, *adapters])
-    raise ApiError(
-        404,
-        f"the model '{model}' does not exist; this server serves {served}",
-        param="model",
-        code="model_not_found",
-    )
-
-
-def _tokenizer(state: _State) -> Any:
+def _tokenizer(state: ApiState) -> Any:
     tokenizer = state.backend.tokenizer
     if tokenizer is None:
         raise BackendUnavailable("the model is still loading; retry shortly")
@@ -415,7 +336,7 @@ def _tokenizer(state: _State) -> Any:
 async def _chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     parsed = parse_chat(await _read_json(request))
-    _check_model(state, parsed.model)
+    check_model(state, parsed.model)
     tokenizer = _tokenizer(state)
     if not (getattr(tokenizer, "has_chat_template", None) or tokenizer.chat_template):
         raise invalid("this model has no chat template; use /v1/completions", "messages")
@@ -436,7 +357,7 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
 async def _completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     parsed = parse_completion(await _read_json(request))
-    _check_model(state, parsed.model)
+    check_model(state, parsed.model)
     tokenizer = _tokenizer(state)
     text_or_ids = parsed.prompt
     if isinstance(text_or_ids, str):
@@ -450,7 +371,7 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, state, parsed, prompt, chat=False)
 
 
-def _max_tokens(state: _State, parsed: ParsedRequest, n_prompt: int, chat: bool) -> int:
+def _max_tokens(state: ApiState, parsed: ParsedRequest, n_prompt: int, chat: bool) -> int:
     """The request's max_tokens after checking prompt and completion against the context."""
     param = "messages" if chat else "prompt"
     if n_prompt == 0:
@@ -484,14 +405,8 @@ def _max_tokens(state: _State, parsed: ParsedRequest, n_prompt: int, chat: bool)
     return parsed.max_tokens
 
 
-def adapter_registry(backend: Any) -> AdapterRegistry | None:
-    """The cluster's per-request adapters, when the backend is (or holds) a coordinator."""
-    registry = getattr(getattr(backend, "coordinator", backend), "adapters", None)
-    return registry if isinstance(registry, AdapterRegistry) else None
-
-
 def _choice_params(
-    state: _State, parsed: ParsedRequest, max_tokens: int, tools: ToolPlan | None = None
+    state: ApiState, parsed: ParsedRequest, max_tokens: int, tools: ToolPlan | None = None
 ) -> list[SamplingParams]:
     """One SamplingParams per choice: the request's, each choice with its own seed (choice 0
     keeps the request's, so n=1 draws what it always drew). The request's ``model`` picks a
@@ -532,7 +447,7 @@ def _grammar(parsed: ParsedRequest, tools: ToolPlan) -> GrammarSpec | None:
 
 
 async def _generate(
-    request: web.Request, state: _State, parsed: ParsedRequest, prompt: list[int], *,
+    request: web.Request, state: ApiState, parsed: ParsedRequest, prompt: list[int], *,
     chat: bool, tools: ToolPlan | None = None,
 ) -> web.StreamResponse:  # fmt: skip
     tools = tools or ToolPlan()
