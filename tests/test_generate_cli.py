@@ -27,7 +27,7 @@ def test_json_output_matches_mlx_lm_greedy(
 ) -> None:
     question = "Explain in detail how a steam engine works."
     proc = mlxppd(
-        "generate", "--pp-size", "2", "--max-tokens", "64", "--json", "-p", question, env=cli_env
+        "generate", "--pp-size", "2", "--max-tokens", "40", "--json", "-p", question, env=cli_env
     )
     assert proc.returncode == 0, proc.stderr
     got = json.loads(proc.stdout)
@@ -36,7 +36,7 @@ def test_json_output_matches_mlx_lm_greedy(
     prompt = encode_prompt(tokenizer, question, chat_template=True)
     model = load_reference_model(embedded_model_dir)
     reference = []
-    for token, _ in generate_step(mx.array(prompt), model, max_tokens=64):
+    for token, _ in generate_step(mx.array(prompt), model, max_tokens=40):
         if int(token) in tokenizer.eos_token_ids:
             break
         reference.append(int(token))

@@ -202,14 +202,14 @@ def test_a_stage_killed_mid_stream_is_restarted_and_the_streams_finish_unchanged
     try:
         port, old_pid = stage_port_and_pid(running, 1)
         expected = {
-            "story": stream_text(running.url, STORY, 48),
-            "poem": stream_text(running.url, POEM, 48),
+            "story": stream_text(running.url, STORY, 32),
+            "poem": stream_text(running.url, POEM, 32),
         }
         texts: dict[str, str] = {}
         seen = {name: threading.Event() for name in expected}
 
         def run(name: str, messages: list[dict[str, str]]) -> None:
-            texts[name] = stream_text(running.url, messages, 48, seen=seen[name])
+            texts[name] = stream_text(running.url, messages, 32, seen=seen[name])
 
         threads = [
             threading.Thread(target=run, args=("story", STORY)),

@@ -19,7 +19,7 @@ from mlxppd.engine.tokenizer import encode_prompt, load_tokenizer
 from tests.conftest import TINY_LLAMA
 from tests.reference_support import load_reference_model
 
-MAX_TOKENS = 64
+MAX_TOKENS = 40
 
 
 def reference_tokens(
@@ -54,7 +54,7 @@ def embedded_case(
     prompt = encode_prompt(tokenizer, "Tell me a story about a dragon.", chat_template=True)
     reference = reference_tokens(embedded_model_dir, prompt, weights=weights)
     # A meaningful comparison needs a long, varied continuation with no early stop.
-    assert len(reference) == MAX_TOKENS and len(set(reference)) > 20
+    assert len(reference) == MAX_TOKENS and len(set(reference)) > 15
     return weights, prompt, reference
 
 

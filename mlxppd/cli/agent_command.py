@@ -185,9 +185,6 @@ def run_check(args: argparse.Namespace) -> int:
 
 
 def run_agent(args: argparse.Namespace) -> int:
-    from mlxppd.engine.mlx_lm_import import skip_package_init
-
-    skip_package_init()  # transformers loads only if this node tokenizes (a coordinator)
     from prometheus_client import CollectorRegistry
 
     from mlxppd.app.agent_http import start_agent_http

@@ -169,6 +169,11 @@ def _on_fast_blas(body: Callable[[], int]) -> Callable[[], int]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from mlxppd.engine.mlx_lm_import import skip_package_init
+
+    # mlxppd never takes names from mlx-lm's package itself: skip its __init__ (and
+    # transformers until a tokenizer is needed; a stage never needs one).
+    skip_package_init()
     if args.command == "generate":
         return run_guarded("mlxppd", _on_fast_blas(lambda: _generate(args)))
     if args.command == "models":

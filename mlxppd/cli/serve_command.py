@@ -432,10 +432,6 @@ def run(args: argparse.Namespace) -> int:
         # Every secret read in this process and in a local cluster's stage processes.
         os.environ[ENV_ALLOW_LOOSE] = "1"
     options = _node_options(args)
-    if mode is Mode.STAGE:
-        from mlxppd.engine.mlx_lm_import import skip_package_init
-
-        skip_package_init()  # a stage never tokenizes up front: skip transformers' import
     # Imported once the flags are checked: a flag error answers in a fraction of a second.
     from mlxppd.app.serve_node import run_coordinator_node
     from mlxppd.runtime.serve import run_stage_node

