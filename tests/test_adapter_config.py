@@ -51,6 +51,11 @@ def test_mlx_lm_and_peft_configs_give_rank_scale_and_kind() -> None:
         ({"peft_type": "IA3", "r": 8}, {"adapter_model.safetensors"}, "is not a LoRA adapter"),
         ({"peft_type": "LORA", "r": 8, "lora_alpha": 8}, set(), "needs adapter_model.safetensors"),
         ([1, 2], set(), "is not a JSON object"),
+        (
+            {"peft_type": "LORA", "r": 8, "lora_alpha": 8, "alpha_pattern": {"q_proj": 4}},
+            {"adapter_model.safetensors"},
+            "alpha_pattern gives some modules their own",
+        ),
     ],
 )
 def test_a_bad_adapter_config_is_one_sentence_naming_the_file(
@@ -186,6 +191,8 @@ def test_an_unload_drains_its_adapter_alone() -> None:
         registry.end("a")  # its last request finishes; b's keeps running
         assert await drained is True
         registry.remove("a")
+        with pytest.raises(RequestRefused, match="'a' is no longer served"):
+            registry.begin("a")  # a request that chose it before it went: refused, not base
         assert registry.usage() == {"b": 1}
         registry.begin("b")
         assert await registry.drain("b", 0.01) is False  # timed out: b serves again

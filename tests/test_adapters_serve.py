@@ -195,6 +195,9 @@ def test_an_adapter_loaded_live_serves_at_once_and_an_unloaded_one_is_gone(
     assert gone.status_code == 404 and "robot" in gone.json()["error"]["message"]
     refused = _ctl(running, secret, "load", "bad", str(adapters["third"].parent))
     assert refused.returncode == 1 and "has no adapter_config.json" in refused.stderr
+    again = _ctl(running, secret, "load", "pirate", str(adapters["third"]))
+    assert again.returncode == 1 and "'pirate' is loaded already; unload it first" in again.stderr
+    assert _chat(running.url, "pirate") == reference["pirate"]  # untouched
     listed = _ctl(running, secret, "list")
     assert "pirate:" in listed.stdout and "third:" in listed.stdout and "robot" not in listed.stdout
     assert _chat(running.url, None) == reference[None]

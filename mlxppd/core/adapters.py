@@ -111,6 +111,13 @@ def adapter_config(data: Any, files: set[str], source: str) -> AdapterConfig:
             )
         if PEFT_FILE not in files:
             raise ConfigurationError(f"a PEFT adapter needs {PEFT_FILE} beside it", source=source)
+        for key in ("rank_pattern", "alpha_pattern"):
+            if data.get(key):
+                raise ConfigurationError(
+                    f"{key} gives some modules their own rank or alpha, which is not "
+                    "supported; merge it with PEFT or retrain with one rank and alpha",
+                    source=source,
+                )
         rank = _number(data, "r", source, 1, 65536)
         alpha = _number(data, "lora_alpha", source, 1e-6, 1e9)
         scale = alpha / math.sqrt(rank) if data.get("use_rslora") else alpha / rank

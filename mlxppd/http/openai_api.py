@@ -416,6 +416,8 @@ def _choice_params(
         adapter = registry.chosen(parsed.model) if registry is not None else None
     except RequestRefused as exc:
         raise ApiError(409, str(exc), param="model", code="adapter_unloading") from None
+    if adapter is None:
+        check_model(state, parsed.model)  # an adapter unloaded since: 404, not the base model
     base = SamplingParams(
         adapter=adapter,
         max_tokens=max_tokens,

@@ -186,8 +186,9 @@ class CoordinatorAdmin:
             }
         try:
             return {"accepted": True, **await change(live)}
-        except MlxppError as exc:
-            return {"accepted": False, "reason": "refused", "message": str(exc)}
+        except (MlxppError, OSError, ValueError, KeyError, TypeError) as exc:
+            # A file that cannot be read or parsed is this request's failure, said in full.
+            return {"accepted": False, "reason": "refused", "message": str(exc) or repr(exc)}
 
     async def events(self, after: int) -> dict[str, Any]:
         driver = self.view.driver()

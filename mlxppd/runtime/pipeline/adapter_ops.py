@@ -47,6 +47,7 @@ class AdapterOps:
     adapters: AdapterRegistry
     identity: IdentityReference | None
     plan: tuple[LayerRange, ...] | None
+    _model_id: str
     _links: list[StageLink]
 
     if TYPE_CHECKING:  # provided by Coordinator
@@ -71,13 +72,43 @@ class AdapterOps:
             out.append(adapter_digest(path, functools.partial(_wanted, spec, tied))[0])
         return out
 
+    def _adapter_lock(self) -> asyncio.Lock:
+        """One adapter change at a time (a load racing an unload of one name would leave the
+        stages and the registry disagreeing)."""
+        lock: asyncio.Lock | None = getattr(self, "_adapter_changes", None)
+        if lock is None:
+            lock = asyncio.Lock()
+            self._adapter_changes = lock
+        return lock
+
     async def load_adapter(self, name: str, path: str) -> dict[str, Any]:
         """Hold adapter ``name`` on every stage; requests may choose it once this returns."""
+        async with self._adapter_lock():
+            return await self._load_adapter(name, path)
+
+    async def unload_adapter(self, name: str, drain_timeout_s: float) -> dict[str, Any]:
+        """Drain ``name``'s requests, then drop it on every stage."""
+        async with self._adapter_lock():
+            return await self._unload_adapter(name, drain_timeout_s)
+
+    async def _load_adapter(self, name: str, path: str) -> dict[str, Any]:
         problem = adapter_name_problem(name)
         if problem is not None:
             raise ConfigurationError(problem, source="name")
+        if name == self._model_id:
+            raise ConfigurationError(
+                f"{name!r} is the base model's name; give the adapter another", source="name"
+            )
+        if self.adapters.path(name) is not None:
+            # Swapping weights under running sequences would mix two adapters in one answer.
+            raise ConfigurationError(
+                f"adapter {name!r} is loaded already; unload it first (mlxppctl adapter "
+                "unload), or load the new one under another name",
+                source="name",
+            )
         where = Path(path).expanduser()
-        read_adapter_config(where)  # a bad directory is refused here, before any stage
+        # A bad directory is refused here, before any stage (read off the event loop).
+        await asyncio.to_thread(read_adapter_config, where)
         expected = await asyncio.to_thread(self._expected_digests, where)
         replies = await asyncio.gather(
             *(
@@ -105,8 +136,7 @@ class AdapterOps:
             "stages": [r.model_dump(exclude={"rid", "ok", "error"}) for r in replies],
         }
 
-    async def unload_adapter(self, name: str, drain_timeout_s: float) -> dict[str, Any]:
-        """Drain ``name``'s requests, then drop it on every stage."""
+    async def _unload_adapter(self, name: str, drain_timeout_s: float) -> dict[str, Any]:
         if self.adapters.path(name) is None:
             raise ConfigurationError(f"no adapter named {name!r} is loaded", source="name")
         if not await self.adapters.drain(name, drain_timeout_s):

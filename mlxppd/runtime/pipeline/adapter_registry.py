@@ -68,9 +68,11 @@ class AdapterRegistry:
 
     def begin(self, name: str | None) -> None:
         """One more request running adapter ``name`` (refused while it is being unloaded)."""
-        entry = self._named.get(name) if name is not None else None
-        if entry is None:
+        if name is None:
             return
+        entry = self._named.get(name)
+        if entry is None:
+            raise RequestRefused(f"adapter {name!r} is no longer served; choose another model")
         if entry.draining:
             raise RequestRefused(f"adapter {name!r} is being unloaded; choose another model")
         entry.running += 1

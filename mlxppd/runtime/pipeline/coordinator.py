@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from mlxppd.core.config.cluster import ClusterConfig, Node
-from mlxppd.core.errors import TemporaryError
+from mlxppd.core.errors import ConfigurationError, TemporaryError
 from mlxppd.core.layer_ranges import LayerRange
 from mlxppd.core.model_identity import IdentityCheck
 from mlxppd.core.prompt_cache import PromptIndex, Reuse
@@ -111,6 +111,11 @@ class Coordinator(StageOps, LinkReader, PromptSender, AdapterOps):
         self.transport = transport
         self._tokenizer = tokenizer
         self._model_id = model_id
+        if model_id in self.adapters.names():
+            raise ConfigurationError(
+                f"an adapter is named {model_id!r}, the base model's name; rename it",
+                source="[[adapters]]",
+            )
         self._connect_timeout_s = connect_timeout_s
         self._links: list[StageLink] = []
         #: stages whose link failed under the pipeline serving now (their cards show it)

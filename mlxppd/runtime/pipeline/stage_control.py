@@ -166,6 +166,9 @@ class StageControl:
             adapters = self._layers().stage.adapters
             if adapters is None or isinstance(self.runner, MirroredRunner):
                 raise ValueError("adapters run on stages of one rank")
+            if self._staged is not None or not self.admitting:
+                # New layers being loaded copy the adapters held when they started.
+                raise ValueError("this stage is moving its layers; try again once it serves")
             if isinstance(command, AdapterLoad):
                 load = functools.partial(adapters.load, command.name, Path(command.path))
                 info = await self.mlx.run(load)
