@@ -13,7 +13,7 @@ import types
 from pathlib import Path
 from typing import Any
 
-from tests.reference_support import load_reference
+from tests.reference_support import answers_of, load_reference
 
 #: answers in a voice the base model never uses, so an adapter visibly changes the text
 PIRATE = [
@@ -139,13 +139,5 @@ def adapted_answers(
     model_dir: Path, adapter: Path | None, asks: list[tuple[str, int]]
 ) -> dict[tuple[str, int], str]:
     """Single-process mlx-lm's greedy answer to each (question, max_tokens) with ``adapter``."""
-    from mlx_lm import generate
-
     model, tokenizer = adapted_reference(model_dir, adapter)
-    out = {}
-    for question, max_tokens in asks:
-        prompt = tokenizer.apply_chat_template(
-            [{"role": "user", "content": question}], add_generation_prompt=True
-        )
-        out[(question, max_tokens)] = str(generate(model, tokenizer, prompt, max_tokens=max_tokens))
-    return out
+    return answers_of(model, tokenizer, asks)

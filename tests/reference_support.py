@@ -51,9 +51,16 @@ def load_reference_model(model_dir: Path, mode: CpuWeights = CpuWeights.AUTO) ->
 def greedy_answers(model_dir: Path, asks: Iterable[tuple[str, int]]) -> dict[tuple[str, int], str]:
     """Single-process mlx-lm's greedy answer to each (question, max_tokens), asked as a one-turn
     chat, with the weights held as a served stage holds them."""
+    model, tokenizer = load_reference(model_dir)
+    return answers_of(model, tokenizer, asks)
+
+
+def answers_of(
+    model: Any, tokenizer: Any, asks: Iterable[tuple[str, int]]
+) -> dict[tuple[str, int], str]:
+    """``model``'s greedy answer to each (question, max_tokens), asked as a one-turn chat."""
     from mlx_lm import generate
 
-    model, tokenizer = load_reference(model_dir)
     out = {}
     for question, max_tokens in asks:
         prompt = tokenizer.apply_chat_template(
