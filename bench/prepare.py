@@ -34,8 +34,8 @@ from mlxppd.core.stages import StageSpec
 from mlxppd.engine.embedded import default_cache_dir, ensure_embedded_model
 from mlxppd.engine.prepared_copy import ModelReceiver, prepared_root
 from mlxppd.engine.stage_digest import iter_chunks, stored_tensors
-from mlxppd.runtime.pipeline.model_sender import ShipProgress, manifest_for, ship_stage
-from mlxppd.runtime.pipeline.stage_worker import StageWorker
+from mlxppd.runtime.coordinator.model_sender import ShipProgress, manifest_for, ship_stage
+from mlxppd.runtime.stage.worker import StageWorker
 from mlxppd.runtime.system import event_loop
 from mlxppd.runtime.system.mlx_thread import MlxThread
 from mlxppd.wire.backends import create_transport

@@ -124,7 +124,7 @@ TINY_LLAMA: dict[str, Any] = {
 # A tiny llama that shards over 2 tensor-parallel ranks and speaks through the embedded
 # model's tokenizer (its vocabulary), so the chat API can serve it.
 def _chat_llama() -> dict[str, Any]:
-    from tests.family_cases import CASES
+    from tests.support.family_cases import CASES
 
     return {**CASES["llama"][0], "vocab_size": 49152}
 

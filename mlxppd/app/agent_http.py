@@ -19,7 +19,7 @@ from mlxppd.http.admin_api import signed_admin_api
 from mlxppd.http.console_feed import ConsoleFeed
 from mlxppd.runtime.agent.loop import Agent
 from mlxppd.runtime.agent.status import agent_admin
-from mlxppd.runtime.pipeline.gated_backend import GatedBackend
+from mlxppd.runtime.coordinator.gate import GatedBackend
 
 log = logging.getLogger("mlxppd.http")
 

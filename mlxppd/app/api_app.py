@@ -15,7 +15,7 @@ from mlxppd.http.console import add_console_routes
 from mlxppd.http.console_feed import ConsoleFeed
 from mlxppd.http.openai_api import create_app
 from mlxppd.http.openapi import add_openapi_route
-from mlxppd.runtime.pipeline.backend import GenerationBackend
+from mlxppd.runtime.backends.contract import GenerationBackend
 
 
 def api_app(

@@ -29,13 +29,13 @@ from mlxppd.http.admin_api import AdminApi, signed_admin_api
 from mlxppd.http.console_feed import ConsoleFeed
 from mlxppd.http.openai_api import create_metrics_app
 from mlxppd.runtime.agent.status import CoordinatorAdmin, CoordinatorView
+from mlxppd.runtime.backends.contract import GenerationBackend
+from mlxppd.runtime.backends.inprocess import InProcessBackend
+from mlxppd.runtime.coordinator.elastic_driver import ElasticDriver
+from mlxppd.runtime.coordinator.gate import GatedBackend
 from mlxppd.runtime.local_cluster import LocalCluster
 from mlxppd.runtime.observability.metrics import PipelineMetrics
 from mlxppd.runtime.observability.timeline import StartTimeline
-from mlxppd.runtime.pipeline.backend import GenerationBackend
-from mlxppd.runtime.pipeline.elastic_driver import ElasticDriver
-from mlxppd.runtime.pipeline.gated_backend import GatedBackend
-from mlxppd.runtime.pipeline.inprocess_backend import InProcessBackend
 from mlxppd.runtime.serve import (
     NodeOptions,
     load_node_cluster,

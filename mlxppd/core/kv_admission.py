@@ -240,3 +240,11 @@ class SlotKvManager(StageKvManager):
         for slot in self.others:
             slot.clear()
         super().clear()
+
+
+def configured_budget(reported: object) -> int | None:
+    """A stage report's ``kv_budget_bytes`` as configured: None when it is unlimited."""
+    if reported is None:
+        return None
+    value = int(str(reported))
+    return value if value < UNLIMITED_BYTES else None

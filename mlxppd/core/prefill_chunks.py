@@ -5,7 +5,7 @@ A chunk is one forward pass on each stage. Chunks flow through the stages back t
 and the prompt takes about ``(k + s - 1) / k`` of one stage's share of the work instead of
 ``s`` shares: more chunks fill the pipeline better, but a chunk of too few rows wastes the
 matrix units. While other sequences decode, chunks are small, because a stage runs a waiting
-decode step between two chunks (``runtime/pipeline/work_queue.py``) and a chunk's compute is
+decode step between two chunks (``runtime/stage/work_queue.py``) and a chunk's compute is
 what those streams wait for.
 
 Both sizes follow the pipeline's measured speed once there is some (:class:`PipelineSpeed`):

@@ -5,7 +5,7 @@ samples and sends. Every call that runs the layers or changes the caches is firs
 the other ranks (``MirroredRunner``), which make the same call on their own shard
 (``apply``), so every rank runs every forward in the same order and the ``all_sum``s inside the
 sharded layers meet. How an announcement travels is the caller's (``announce``: the runtime
-sends it on the encrypted transport, ``runtime/pipeline/tp_stage.py``); this module only says
+sends it on the encrypted transport, ``runtime/stage/tp_stage.py``); this module only says
 what to announce and how to make the call.
 
 Why not announce over MLX's ring itself: its receive polls, so a rank waiting there for rank 0's

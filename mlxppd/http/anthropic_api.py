@@ -48,7 +48,7 @@ from mlxppd.http.openai_api import (
 from mlxppd.http.sse import SseWriter
 from mlxppd.http.tools import ContentHoldback, ToolPlan
 from mlxppd.http.validation import ParsedRequest, validate
-from mlxppd.runtime.pipeline.backend import (
+from mlxppd.runtime.backends.contract import (
     AdmissionRejected,
     BackendUnavailable,
     SamplingParams,

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from mlxppd.runtime.backends.contract import GenerationBackend
 from mlxppd.runtime.observability.metrics import PipelineMetrics
-from mlxppd.runtime.pipeline.backend import GenerationBackend
 
 #: requests handled at once; more get a 503 with Retry-After (the KV budget admits fewer)
 DEFAULT_MAX_IN_FLIGHT = 256

@@ -12,7 +12,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlxppd.runtime.pipeline.backend import TokenEvent
+from mlxppd.runtime.backends.contract import TokenEvent
 
 #: stands in for -inf, which JSON cannot carry
 MIN_LOGPROB = -9999.0

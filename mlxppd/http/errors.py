@@ -11,7 +11,7 @@ from typing import Any
 
 from aiohttp import web
 
-from mlxppd.runtime.pipeline.backend import (
+from mlxppd.runtime.backends.contract import (
     AdmissionClosed,
     AdmissionRejected,
     BackendUnavailable,

@@ -9,7 +9,7 @@ from aiohttp import web
 
 from mlxppd.http.api_state import STATE, ApiState
 from mlxppd.http.errors import ApiError
-from mlxppd.runtime.pipeline.adapter_registry import AdapterRegistry
+from mlxppd.runtime.coordinator.adapter_registry import AdapterRegistry
 
 
 def adapter_registry(backend: Any) -> AdapterRegistry | None:

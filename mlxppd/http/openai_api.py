@@ -44,8 +44,7 @@ from mlxppd.http.responses import Shape
 from mlxppd.http.sse import SseWriter
 from mlxppd.http.tools import ContentHoldback, ToolPlan, plan_tools
 from mlxppd.http.validation import ParsedRequest, parse_chat, parse_completion, parse_json_body
-from mlxppd.runtime.observability.metrics import PipelineMetrics
-from mlxppd.runtime.pipeline.backend import (
+from mlxppd.runtime.backends.contract import (
     AdmissionRejected,
     BackendUnavailable,
     GenerationBackend,
@@ -53,6 +52,7 @@ from mlxppd.runtime.pipeline.backend import (
     SamplingParams,
     SequenceFailed,
 )
+from mlxppd.runtime.observability.metrics import PipelineMetrics
 
 log = logging.getLogger("mlxppd.http")
 

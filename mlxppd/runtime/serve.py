@@ -34,17 +34,17 @@ from mlxppd.core.stages import StageSpec
 from mlxppd.engine.embedded import default_cache_dir
 from mlxppd.engine.model_files import resolve_model_dir
 from mlxppd.engine.tokenizer import load_tokenizer
-from mlxppd.runtime.observability.metrics import PipelineMetrics
-from mlxppd.runtime.observability.timeline import StartTimeline
-from mlxppd.runtime.pipeline.coordinator import Coordinator
-from mlxppd.runtime.pipeline.node_start import (
+from mlxppd.runtime.coordinator.coordinator import Coordinator
+from mlxppd.runtime.node_start import (
     CoordinatorSetup,
     StageSetup,
     run_tensor_follower,
     start_pipeline_coordinator,
     start_stage_worker,
 )
-from mlxppd.runtime.pipeline.tp_stage import tensor_place
+from mlxppd.runtime.observability.metrics import PipelineMetrics
+from mlxppd.runtime.observability.timeline import StartTimeline
+from mlxppd.runtime.stage.tp_stage import tensor_place
 from mlxppd.runtime.system.atomic_write import write_text_atomic
 from mlxppd.runtime.system.mlx_thread import MlxThread
 from mlxppd.wire.secret import load_cluster_secret

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from mlxppd.http.requests import ChatCompletionRequest, ChatMessage, CompletionRequest
 from mlxppd.wire.handshake import NONCE_BYTES, HandshakeType, pack_envelope
 from tests.adversarial.bad_requests import one_bad_field, one_bad_message
-from tests.cluster_support import RunningCluster, stage_port_and_pid, start_cluster, wait_gone
+from tests.support.clusters import RunningCluster, stage_port_and_pid, start_cluster, wait_gone
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

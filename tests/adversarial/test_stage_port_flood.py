@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.cluster_support import RunningCluster, stage_port_and_pid, start_cluster, wait_gone
+from tests.support.clusters import RunningCluster, stage_port_and_pid, start_cluster, wait_gone
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -47,25 +47,25 @@ from mlxppd.engine.prepared_copy import ModelReceiver
 from mlxppd.runtime.agent.model_place import ModelPlace
 from mlxppd.runtime.agent.prepare_job import PrepareJob, Preparer
 from mlxppd.runtime.agent.tensor_follower import FollowerRun
-from mlxppd.runtime.observability.metrics import PipelineMetrics
-from mlxppd.runtime.observability.timeline import StartTimeline
-from mlxppd.runtime.pipeline.coordinator import Coordinator
-from mlxppd.runtime.pipeline.elastic_driver import ElasticDriver
-from mlxppd.runtime.pipeline.gated_backend import GatedBackend
-from mlxppd.runtime.pipeline.identity_check import ModelMismatch
-from mlxppd.runtime.pipeline.node_start import (
+from mlxppd.runtime.coordinator.coordinator import Coordinator
+from mlxppd.runtime.coordinator.elastic_driver import ElasticDriver
+from mlxppd.runtime.coordinator.gate import GatedBackend
+from mlxppd.runtime.coordinator.identity_check import ModelMismatch
+from mlxppd.runtime.node_start import (
     CoordinatorSetup,
     StageSetup,
     start_pipeline_coordinator,
     start_stage_worker,
 )
-from mlxppd.runtime.pipeline.stage_loader import (
+from mlxppd.runtime.observability.metrics import PipelineMetrics
+from mlxppd.runtime.observability.timeline import StartTimeline
+from mlxppd.runtime.stage.loader import (
     AdapterPaths,
     load_stage_runner,
     stage_kv_manager,
 )
-from mlxppd.runtime.pipeline.stage_worker import StageWorker
-from mlxppd.runtime.pipeline.tp_stage import TensorPlace
+from mlxppd.runtime.stage.tp_stage import TensorPlace
+from mlxppd.runtime.stage.worker import StageWorker
 from mlxppd.runtime.system.mlx_thread import MlxThread
 from mlxppd.wire.backends import create_transport, wire_config_for
 from mlxppd.wire.secret import ClusterSecret

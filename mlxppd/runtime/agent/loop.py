@@ -32,8 +32,8 @@ from mlxppd.engine.prepared_copy import stage_model_dir
 from mlxppd.engine.tokenizer import load_tokenizer
 from mlxppd.runtime.agent.actions import AgentContext, NodeRuntime
 from mlxppd.runtime.agent.model_place import ModelPlace, locate_model
+from mlxppd.runtime.coordinator.gate import GatedBackend
 from mlxppd.runtime.observability.metrics import PipelineMetrics
-from mlxppd.runtime.pipeline.gated_backend import GatedBackend
 from mlxppd.runtime.system.mlx_thread import MlxThread
 from mlxppd.runtime.system.sd_notify import SdNotifier, watchdog_loop
 from mlxppd.runtime.system.service_logging import configure_logging

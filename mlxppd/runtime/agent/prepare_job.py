@@ -2,7 +2,7 @@
 
 The coordinator's host holds the cluster's copy. For each stage node of the file's plan, the
 job opens a channel to the node's stage port (the same authenticated, encrypted transport as
-the pipeline), and ``runtime/pipeline/model_sender.py`` does the rest; nodes are prepared at
+the pipeline), and ``runtime/coordinator/model_sender.py`` does the rest; nodes are prepared at
 once, each with its own progress. The agent starts the same job by itself at start for nodes
 that hold no copy at all (``[cluster] auto_prepare``); a node whose copy differs is only
 replaced when an operator asks, since its files might be the ones that are right.
@@ -19,7 +19,7 @@ from typing import Any
 
 from mlxppd.core.config.cluster import Node
 from mlxppd.core.stages import StageSpec
-from mlxppd.runtime.pipeline.model_sender import ShipProgress, manifest_for, ship_stage
+from mlxppd.runtime.coordinator.model_sender import ShipProgress, manifest_for, ship_stage
 from mlxppd.wire.tasks import spawn, stop_tasks
 from mlxppd.wire.transport import Transport
 

@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any
 from mlxppd.core.agent.elastic import Trigger
 from mlxppd.core.agent.plan import StageAddress
 from mlxppd.core.errors import MlxppError
+from mlxppd.core.kv_admission import configured_budget
 from mlxppd.core.model_identity import IdentityCheck
 from mlxppd.core.protocol.control import StageReport
-from mlxppd.runtime.pipeline.elastic_driver import ElasticDriver
-from mlxppd.runtime.pipeline.gated_backend import GatedBackend
-from mlxppd.runtime.pipeline.stage_loader import configured_budget
+from mlxppd.runtime.coordinator.elastic_driver import ElasticDriver
+from mlxppd.runtime.coordinator.gate import GatedBackend
 
 if TYPE_CHECKING:
     from mlxppd.runtime.agent.loop import Agent

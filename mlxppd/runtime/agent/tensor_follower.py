@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 
-from mlxppd.runtime.pipeline.node_start import StageSetup, run_tensor_follower
+from mlxppd.runtime.node_start import StageSetup, run_tensor_follower
 from mlxppd.runtime.system.mlx_thread import MlxThread
 from mlxppd.wire.tasks import spawn
 

@@ -124,7 +124,7 @@ class PipelineMetrics:
         self._wire, self._rdma_fallbacks = wire, rdma_fallbacks
 
     def record_failover(self, event: Any) -> None:
-        """One lost stage (a ``runtime.pipeline.failover.FailoverEvent``)."""
+        """One lost stage (a ``runtime.coordinator.recovery.FailoverEvent``)."""
         self.failovers.labels(outcome=event.outcome).inc()
         self.failover_seconds.observe(event.seconds)
 

@@ -53,7 +53,7 @@ from mlxppd.core.zeroconf.plan import (
 )
 from mlxppd.engine.model_files import resolve_model_dir
 from mlxppd.engine.model_identity import model_identity
-from mlxppd.runtime.pipeline.control_client import BadReplyError, ControlClient
+from mlxppd.runtime.coordinator.control_client import BadReplyError, ControlClient
 from mlxppd.runtime.serve import NodeOptions, with_adapter_flags, write_ready
 from mlxppd.runtime.system.atomic_write import write_text_atomic
 from mlxppd.wire.channel import SecureChannel

@@ -1,0 +1,201 @@
+"""Shipping a stage's tensors to a node over the cluster transport (``mlxppctl prepare``'s
+engine): a real stage worker that holds no model listens on loopback; a real sender ships it
+from a tiny checkpoint. Only the stage's tensors travel, an interrupted send resumes without a
+byte sent twice, and bytes that do not match the cluster's digests are never installed or
+loaded."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+
+from mlxppd.core.config.cluster import Node, NodeRole
+from mlxppd.core.errors import ConfigurationError
+from mlxppd.core.kv_admission import UNLIMITED_BYTES, StageKvManager
+from mlxppd.core.protocol.model_transfer import PrepareResult
+from mlxppd.core.stages import StageSpec
+from mlxppd.engine.prepared_copy import ModelReceiver, prepared_root, stage_model_dir
+from mlxppd.engine.stage import load_stage
+from mlxppd.engine.stage_digest import iter_chunks, stage_identity
+from mlxppd.runtime.coordinator.model_sender import ShipProgress, manifest_for, ship_stage
+from mlxppd.runtime.stage.worker import StageWorker
+from mlxppd.runtime.system.mlx_thread import MlxThread
+from mlxppd.wire.backends import create_transport
+from tests.conftest import TINY_LLAMA
+from tests.support.wire import config, run
+
+SPLIT = (StageSpec(0, 2, 0, 3), StageSpec(1, 2, 3, 6))
+NODE = Node(id="stage-1", address="127.0.0.1:1", role=NodeRole.PIPELINE_STAGE, stage=1)
+
+
+def model_config(model: Path) -> dict:
+    return json.loads((model / "config.json").read_text())
+
+
+class EmptyNode:
+    """A stage worker holding no model, as an agent runs one on a host with none."""
+
+    def __init__(self, cache: Path, configured: Path | None = None) -> None:
+        self.receiver = ModelReceiver(prepared_root(cache, "tiny"), configured, cache)
+        self.mlx = MlxThread("mlx-test-prepare")
+        kv = StageKvManager(-1, UNLIMITED_BYTES, 0, 1)
+        self.worker = StageWorker(
+            StageSpec.standby(2), None, kv, create_transport("tcp", config("stage-1")), self.mlx,
+            receiver=self.receiver, missing_model="no model files here",
+        )  # fmt: skip
+
+    async def __aenter__(self) -> Node:
+        host, port = await self.worker.start("127.0.0.1", 0)
+        return NODE.model_copy(update={"address": f"{host}:{port}"})
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.worker.close()
+        self.mlx.close()
+
+
+async def ship(
+    node: Node, source: Path, spec: StageSpec, progress: ShipProgress, **kw: Any
+) -> PrepareResult | None:
+    manifest, tensors = manifest_for(source, spec, model_config(source), "tiny")
+    sender = create_transport("tcp", config("coordinator"))
+    return await ship_stage(sender, node, manifest, tensors, progress, **kw)
+
+
+def test_an_empty_node_gets_exactly_its_stages_tensors(
+    tiny_model: Callable[..., Path], tmp_path: Path
+) -> None:
+    source = tiny_model("prepare-llama", TINY_LLAMA)
+    spec = SPLIT[1]
+    progress = ShipProgress("stage-1", 1, (3, 6))
+
+    async def scenario() -> None:
+        async with EmptyNode(tmp_path / "cache") as node:
+            result = await ship(node, source, spec, progress)
+            assert result is not None and result.ok
+            # A second prepare finds everything present and sends nothing.
+            again = ShipProgress("stage-1", 1, (3, 6))
+            assert await ship(node, source, spec, again) is None
+            assert again.found == "present" and again.bytes_sent == 0
+
+    run(scenario)
+    config_ = model_config(source)
+    whole = sum(t.record.nbytes for t in stage_identity_parts(source, config_))
+    assert progress.found == "missing" and progress.bytes_sent == progress.bytes_total
+    assert progress.bytes_sent == stage_identity(source, spec, config_).nbytes < whole
+    copy = stage_model_dir(None, prepared_root(tmp_path / "cache", "tiny"), spec, config_)
+    assert stage_identity(copy, spec, config_) == stage_identity(source, spec, config_)
+    # The copy loads and computes what the source's stage computes.
+    x = mx.random.normal((1, 4, 64))
+    want = load_stage(source, spec, config_)
+    got = load_stage(copy, spec, config_)
+    assert mx.allclose(want.net(x, want.net.make_cache()), got.net(x, got.net.make_cache()))
+
+
+def stage_identity_parts(source: Path, config_: dict) -> list:
+    from mlxppd.engine.stage_digest import stored_tensors
+
+    return list(stored_tensors(source, lambda _n: True).values())
+
+
+def test_an_interrupted_send_resumes_without_sending_a_byte_twice(
+    tiny_model: Callable[..., Path], tmp_path: Path
+) -> None:
+    source = tiny_model("prepare-llama", TINY_LLAMA)
+    spec = SPLIT[1]
+    first, second = ShipProgress("stage-1", 1, (3, 6)), ShipProgress("stage-1", 1, (3, 6))
+    holder = EmptyNode(tmp_path / "cache")
+
+    async def scenario() -> None:
+        async with holder as node:
+            slow = asyncio.ensure_future(
+                ship(node, source, spec, first, chunk_bytes=4096, max_rate_bytes_s=200_000)
+            )
+            while not first.bytes_total or first.bytes_sent < first.bytes_total // 2:
+                await asyncio.sleep(0.01)
+            slow.cancel()  # the operator's ^C, a dropped link: the node keeps what arrived
+            with pytest.raises(asyncio.CancelledError):
+                await slow
+            while holder.receiver.received < first.bytes_sent:
+                await asyncio.sleep(0.01)
+            result = await ship(node, source, spec, second, chunk_bytes=4096)
+            assert result is not None and result.ok
+
+    run(scenario)
+    assert 0 < second.bytes_resumed == first.bytes_sent < second.bytes_total
+    assert first.bytes_sent + second.bytes_sent == second.bytes_total
+
+
+def test_tampered_bytes_are_refused_and_nothing_is_installed(
+    tiny_model: Callable[..., Path], tmp_path: Path
+) -> None:
+    source = tiny_model("prepare-llama", TINY_LLAMA)
+    spec = SPLIT[1]
+    manifest, tensors = manifest_for(source, spec, model_config(source), "tiny")
+    receiver = ModelReceiver(prepared_root(tmp_path, "tiny"), None, tmp_path)
+    state, names = receiver.check(manifest)
+    assert state.state == "missing"
+    stream = b"".join(b"".join(iter_chunks(tensors[n])) for n in names)
+    flipped = bytearray(stream)
+    flipped[len(stream) // 2] ^= 0x40  # one bit, somewhere in the middle
+    receiver.write(0, bytes(flipped))
+    result = receiver.commit()
+    assert (
+        not result.ok and "sha256" in (result.error or "") and "discarded" in (result.error or "")
+    )
+    assert not (receiver.root / "current").exists()
+    # The verified tensors before the bad one stay for the next try; the rest goes.
+    state, _ = receiver.check(manifest)
+    assert 0 < state.have_bytes < len(stream) // 2 + 1
+    receiver.write(state.have_bytes, stream[state.have_bytes :])
+    assert receiver.commit().ok
+
+
+def test_a_tampered_installed_copy_is_never_loaded(
+    tiny_model: Callable[..., Path], tmp_path: Path
+) -> None:
+    source = tiny_model("prepare-llama", TINY_LLAMA)
+    spec = SPLIT[1]
+    config_ = model_config(source)
+    manifest, tensors = manifest_for(source, spec, config_, "tiny")
+    receiver = ModelReceiver(prepared_root(tmp_path, "tiny"), None, tmp_path)
+    _, names = receiver.check(manifest)
+    receiver.write(0, b"".join(b"".join(iter_chunks(tensors[n])) for n in names))
+    assert receiver.commit().ok
+    installed = receiver.root / "current" / "model.safetensors"
+    data = bytearray(installed.read_bytes())
+    data[-10] ^= 0x01
+    installed.write_bytes(bytes(data))
+    with pytest.raises(ConfigurationError, match="no longer matches the digest"):
+        stage_model_dir(None, receiver.root, spec, config_, tmp_path)
+
+
+def test_a_node_with_one_wrong_tensor_receives_only_that_tensor(
+    tiny_model: Callable[..., Path], tmp_path: Path
+) -> None:
+    source = tiny_model("prepare-llama", TINY_LLAMA)
+    spec = SPLIT[1]
+    config_ = model_config(source)
+    wrong = tmp_path / "wrong"
+    shutil.copytree(source, wrong)
+    weights = mx.load(str(wrong / "model.safetensors"))
+    assert isinstance(weights, dict)
+    name = "model.layers.4.mlp.down_proj.weight"
+    weights[name] = weights[name] + 1e-3
+    mx.save_safetensors(str(wrong / "model.safetensors"), weights)
+    manifest, tensors = manifest_for(source, spec, config_, "tiny")
+    receiver = ModelReceiver(prepared_root(tmp_path / "cache", "tiny"), wrong, tmp_path)
+    state, names = receiver.check(manifest)
+    assert (state.state, names) == ("mismatch", [name])
+    assert state.needed_bytes == tensors[name].record.nbytes
+    receiver.write(0, b"".join(iter_chunks(tensors[name])))
+    assert receiver.commit().ok
+    copy = stage_model_dir(wrong, receiver.root, spec, config_)
+    assert copy == receiver.root / "current"
+    assert stage_identity(copy, spec, config_) == stage_identity(source, spec, config_)

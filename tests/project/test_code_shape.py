@@ -1,0 +1,62 @@
+"""The code stays readable: no function in mlxppd/ runs past 80 lines.
+
+Argparse declarations (``register``, ``*_parser``, ``*_flags`` in mlxppd/cli) are exempt: they
+are one flag after another, each with its help text, and read best in one place.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from tests.support.paths import REPO_ROOT
+
+PACKAGE = REPO_ROOT / "mlxppd"
+MAX_LINES = 80
+
+
+def _is_argparse_declaration(path: Path, name: str) -> bool:
+    return path.parent.name == "cli" and (
+        name == "register" or name.endswith("_parser") or name.endswith("_flags")
+    )
+
+
+def long_functions(package: Path = PACKAGE) -> list[str]:
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            lines = (node.end_lineno or node.lineno) - node.lineno + 1
+            if lines > MAX_LINES and not _is_argparse_declaration(path, node.name):
+                found.append(f"{path.relative_to(package.parent)}:{node.lineno} {node.name}")
+    return found
+
+
+def test_no_function_is_longer_than_80_lines() -> None:
+    assert long_functions() == []
+
+
+def test_the_check_finds_a_long_function_and_spares_argparse(tmp_path: Path) -> None:
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_LINES))
+    (tmp_path / "pkg" / "cli").mkdir(parents=True)
+    (tmp_path / "pkg" / "logic.py").write_text(f"def too_long():\n{body}\n\ndef ok():\n    pass\n")
+    (tmp_path / "pkg" / "cli" / "main.py").write_text(f"def register():\n{body}\n")
+    assert long_functions(tmp_path / "pkg") == ["pkg/logic.py:1 too_long"]
+
+
+def constructions(name: str, package: Path = PACKAGE) -> list[str]:
+    """Where ``name(...)`` is called in the package (module paths relative to its parent)."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == name:
+                found.append(str(path.relative_to(package.parent)))
+    return found
+
+
+def test_one_function_starts_a_stage_and_one_a_coordinator() -> None:
+    """serve --distributed-config (so the local cluster and a zero-config peer) and the agent
+    all start stages and coordinators through mlxppd/runtime/node_start.py."""
+    assert constructions("StageWorker") == ["mlxppd/runtime/node_start.py"]
+    assert constructions("Coordinator") == ["mlxppd/runtime/node_start.py"]

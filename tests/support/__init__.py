@@ -1,0 +1,1 @@
+"""What the tests share: fixtures' builders, clusters, references, clients."""
