@@ -57,6 +57,11 @@ class LayerRange:
         """Index of the last layer in the range (inclusive)."""
         return self.end - 1
 
+    @property
+    def pair(self) -> tuple[int, int]:
+        """``(start, end)``: how a range is written on the wire and in reports."""
+        return (self.start, self.end)
+
     def __contains__(self, layer: object) -> bool:
         return isinstance(layer, int) and self.start <= layer < self.end
 

@@ -37,11 +37,11 @@ class StageSpec:
     def owns_layer(self, layer: int) -> bool:
         return self.start <= layer < self.end
 
-    def matches(self, plan: Sequence[tuple[int, int]]) -> bool:
-        """True when ``plan`` ([start, end) per stage) gives this stage exactly its layers."""
+    def matches(self, plan: Sequence[LayerRange]) -> bool:
+        """True when ``plan`` (a range per stage) gives this stage exactly its layers."""
         if self.is_standby or len(plan) != self.num_stages:
             return False
-        return tuple(plan[self.index]) == (self.start, self.end)
+        return plan[self.index].pair == (self.start, self.end)
 
     @property
     def is_standby(self) -> bool:

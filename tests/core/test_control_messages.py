@@ -222,7 +222,8 @@ def test_a_stage_answers_typed_replies_and_counts_a_bad_control_frame() -> None:
             assert (await control.ask(Configure(), Ack)).ok
             admit = Admit(seq="a.0", prompt_tokens=4, max_tokens=4, commit=True, plan=[(0, 4)])
             assert (await control.ask(admit, AdmitReply)).ok
-            refused = await control.ask(admit.model_copy(update={"plan": [(0, 3)]}), AdmitReply)
+            elsewhere = Admit(**{**admit.model_dump(), "plan": [(0, 3)]})
+            refused = await control.ask(elsewhere, AdmitReply)
             assert refused.refusal(0) is not None
             assert refused.refusal(0).reason is RejectReason.PLAN_MISMATCH  # type: ignore[union-attr]
             assert (await control.ask(Admission(open=False, state="draining"), Ack)).ok

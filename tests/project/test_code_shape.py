@@ -60,3 +60,53 @@ def test_one_function_starts_a_stage_and_one_a_coordinator() -> None:
     all start stages and coordinators through mlxppd/runtime/node_start.py."""
     assert constructions("StageWorker") == ["mlxppd/runtime/node_start.py"]
     assert constructions("Coordinator") == ["mlxppd/runtime/node_start.py"]
+
+
+def class_bases(name: str, package: Path = PACKAGE) -> list[list[str]]:
+    """The base classes of each class ``name`` in the package (as written)."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef) and node.name == name:
+                found.append([ast.unparse(base) for base in node.bases])
+    return found
+
+
+def test_the_coordinator_is_a_composition_not_a_stack_of_mixins() -> None:
+    """Its parts are members (chain, admission, sender, router, runner), not base classes."""
+    assert class_bases("Coordinator") == [[]]
+
+
+def test_the_runtime_declares_no_host_members_for_mixins() -> None:
+    """No ``if TYPE_CHECKING:`` block in mlxppd/runtime declares methods or attributes that
+    a class expects its host to provide (a guarded import is fine)."""
+    declared = []
+    for path in sorted((PACKAGE / "runtime").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+                declared += [
+                    f"{path.name}:{child.lineno}"
+                    for child in node.body
+                    if not isinstance(child, ast.Import | ast.ImportFrom)
+                ]
+    assert declared == []
+
+
+def test_the_two_phase_layer_move_is_written_once() -> None:
+    """Elastic repartition, realignment after a reconnect and every failover path move
+    layers through ``StageChain.move`` (mlxppd/runtime/coordinator/chain.py)."""
+    assert constructions("Reassign") == ["mlxppd/runtime/coordinator/chain.py"]
+
+
+def test_the_serving_state_changes_in_one_place() -> None:
+    """The coordinator's serving state is assigned only in ``Coordinator._serve``."""
+    path = PACKAGE / "runtime" / "coordinator" / "coordinator.py"
+    writers = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            for child in ast.walk(node):
+                if isinstance(child, ast.Assign) and any(
+                    ast.unparse(t) == "self.serving" for t in child.targets
+                ):
+                    writers.append(node.name)
+    assert writers == ["__init__", "_serve"]

@@ -14,9 +14,17 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, Field, TypeAdapter
+from pydantic import (
+    AfterValidator,
+    Field,
+    PlainSerializer,
+    PlainValidator,
+    TypeAdapter,
+    WithJsonSchema,
+)
 
 from mlxppd.core.kv_admission import AdmissionDiagnostic, RejectReason
+from mlxppd.core.layer_ranges import LayerRange
 from mlxppd.core.protocol.adapters import AdapterLoad, AdapterName, AdapterUnload
 from mlxppd.core.protocol.model_transfer import (
     Identify,
@@ -60,7 +68,26 @@ Count = Annotated[int, Field(ge=0, le=(1 << 63) - 1)]
 Seconds = Annotated[float, Field(ge=0.0)]
 Microseconds = Annotated[float, Field(ge=0.0)]
 LayerPair = tuple[Annotated[int, Field(ge=0, le=1 << 20)], Annotated[int, Field(ge=0, le=1 << 20)]]
-Plan = list[LayerPair]
+_PAIR: TypeAdapter[tuple[int, int]] = TypeAdapter(LayerPair)
+
+
+def _layer_range(value: Any) -> LayerRange:
+    """A ``[start, end)`` pair on the wire, refused unless 0 <= start < end."""
+    if isinstance(value, LayerRange):
+        return value
+    start, end = _PAIR.validate_python(value)
+    return LayerRange(start, end)
+
+
+#: one stage's layers: a LayerRange in the code, a [start, end) pair on the wire
+WireLayerRange = Annotated[
+    LayerRange,
+    PlainValidator(_layer_range),
+    PlainSerializer(lambda r: r.pair, return_type=tuple[int, int]),
+    WithJsonSchema(_PAIR.json_schema()),
+]
+#: every stage's layers, in stage order: the one form a plan takes across the project
+Plan = tuple[WireLayerRange, ...]
 #: bytes of JSON one free-text field (an error, the BLAS) may take: two of them, the rest of a
 #: stage report at its largest and the envelope stay within the default 4096 metadata bytes
 MAX_TEXT_BYTES = 600

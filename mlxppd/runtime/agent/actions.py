@@ -458,7 +458,7 @@ class NodeRuntime:
                 log.warning("replan: requests still running after the drain timeout")
             live = backend.coordinator
             assert live is not None
-            live.plan = target.layers
+            live.expect_plan(target.layers)
             self.coordinator = target
             if self.driver is not None:
                 self.driver.reset_ranges(target.layers)

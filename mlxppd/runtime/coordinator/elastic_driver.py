@@ -40,9 +40,9 @@ from mlxppd.core.partition.plan import balance_layers, plan_layers
 from mlxppd.core.profile.model import ModelProfile
 from mlxppd.core.protocol.control import LayerLoad
 from mlxppd.runtime.backends.contract import BackendUnavailable
+from mlxppd.runtime.coordinator.chain import LayerMoveError
 from mlxppd.runtime.coordinator.coordinator import Coordinator
 from mlxppd.runtime.coordinator.gate import GatedBackend
-from mlxppd.runtime.coordinator.stage_ops import LayerMoveError
 from mlxppd.runtime.observability.metrics import PipelineMetrics
 from mlxppd.wire.tasks import spawn, stop_tasks
 

@@ -1,90 +1,50 @@
-"""What comes back from the stages on the coordinator's links: replies, sampled tokens (one
-sequence's, or a micro-batch's), a stage's report that it failed some sequences, heartbeats.
-A mixin of ``Coordinator`` (``coordinator.py``), which owns the links and the queues."""
+"""Reading one stage link until it fails: replies go to whoever asked, sampled tokens and a
+stage's report that it failed some sequences to the sequence router, heartbeats nowhere (their
+arrival was the point). A link that fails, or stays silent past the heartbeat timeout once it
+is configured, is handed to the chain's error policy."""
 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
-
-import numpy as np
 
 from mlxppd.core.protocol.control import parse_control
-from mlxppd.core.protocol.pipeline import BatchTokenMeta, GroupFailure, SequenceFailure, TokenMeta
-from mlxppd.runtime.backends.contract import SequenceFailed, TokenEvent
-from mlxppd.runtime.coordinator.micro_batcher import MicroBatcher
+from mlxppd.runtime.coordinator.chain import LinkLost
+from mlxppd.runtime.coordinator.sequence_router import SequenceRouter
 from mlxppd.runtime.coordinator.stage_link import StageLink
-from mlxppd.wire.codec import Message, MessageKind
+from mlxppd.wire.codec import MessageKind
 from mlxppd.wire.errors import ChannelClosedError, FrameError
 
 
 class LinkReader:
-    """Reads every stage link (mixed into ``Coordinator``)."""
+    """The reader task of every link of a coordinator (``reader(link)`` runs one)."""
 
-    failover: Any
-    _queues: dict[str, asyncio.Queue[TokenEvent | Exception]]
-    _batcher: MicroBatcher | None
+    def __init__(self, router: SequenceRouter, on_lost: LinkLost, silence_s: float | None):
+        self._router = router
+        self._on_lost = on_lost
+        #: a configured stage that says nothing (not even a heartbeat) this long is lost
+        self._silence_s = silence_s
 
-    if TYPE_CHECKING:  # provided by Coordinator: how a link's failure is handled
-
-        def _fail(self, link: StageLink, reason: str) -> None: ...
-
-    async def _read(self, link: StageLink) -> None:
-        # A stage in the chain that says nothing (not even a heartbeat) for the timeout is a
-        # lost one; before its configure it sends no heartbeats (a recovery's new links).
-        beats = self.failover.heartbeat_timeout_s if self.failover is not None else None
+    async def __call__(self, link: StageLink) -> None:
         try:
             while True:
-                timeout = beats if link.configured else None
+                # Before its configure a stage sends no heartbeats (a recovery's new links).
+                timeout = self._silence_s if link.configured else None
                 try:
                     async with asyncio.timeout(timeout):
                         message = await link.channel.recv()
                 except TimeoutError:
-                    self._fail(link, f"stage {link.node.id} sent nothing for {timeout:g} s")
+                    self._on_lost(link, f"stage {link.node.id} sent nothing for {timeout:g} s")
                     return
-                self._dispatch(link, message)
+                if message.kind is MessageKind.REPLY:
+                    link.control.deliver(message)
+                elif message.kind is MessageKind.CONTROL:
+                    parse_control(message.meta)  # a heartbeat: receiving it was the point
+                else:
+                    self._router.deliver(link.node.id, message)
         except ChannelClosedError as exc:
             closed = "closed its connection" if exc.clean else f"was lost: {exc}"
-            self._fail(link, f"stage {link.node.id} {closed}")
+            self._on_lost(link, f"stage {link.node.id} {closed}")
         except FrameError as exc:
-            self._fail(link, f"lost stage {link.node.id}: {exc}")
+            self._on_lost(link, f"lost stage {link.node.id}: {exc}")
         except Exception as exc:
-            self._fail(link, f"bad message from stage {link.node.id}: {exc}")
-
-    def _dispatch(self, link: StageLink, message: Message) -> None:
-        if message.kind is MessageKind.REPLY:
-            link.control.deliver(message)
-        elif (
-            message.kind is MessageKind.TOKENS
-            and message.tensor is not None
-            and "group" in message.meta
-            and self._batcher is not None
-        ):
-            batch = BatchTokenMeta.model_validate(dict(message.meta))
-            tokens = np.frombuffer(message.tensor.data, dtype=np.int32).tolist()
-            self._batcher.on_tokens(batch.group, batch.seqs, tokens, batch.logprobs)
-        elif message.kind is MessageKind.ERROR:
-            self._failed(link, message.meta)
-        elif message.kind is MessageKind.TOKENS and message.tensor is not None:
-            meta = TokenMeta.model_validate(dict(message.meta))
-            token = int(np.frombuffer(message.tensor.data, dtype=np.int32)[0])
-            queue = self._queues.get(meta.seq)
-            if queue is not None:
-                top = tuple(meta.top) if meta.top is not None else None
-                queue.put_nowait(TokenEvent(token=token, logprob=meta.logprob, top=top))
-        elif message.kind is MessageKind.CONTROL:
-            parse_control(message.meta)  # a heartbeat: receiving it was the point
-
-    def _failed(self, link: StageLink, meta: Any) -> None:
-        """A stage could not compute some sequences: their requests fail, nothing else."""
-        if "group" in meta:
-            group = GroupFailure.model_validate(dict(meta))
-            if self._batcher is not None:
-                self._batcher.fail_group(group.group, f"stage {link.node.id}: {group.message}")
-            return
-        failure = SequenceFailure.model_validate(dict(meta))
-        queue = self._queues.get(failure.seq)
-        if queue is not None:
-            queue.put_nowait(
-                SequenceFailed(f"stage {failure.stage} failed on this request: {failure.message}")
-            )
+            self._on_lost(link, f"bad message from stage {link.node.id}: {exc}")

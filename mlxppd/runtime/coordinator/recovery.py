@@ -12,7 +12,7 @@ in-flight sequences (their prompts and the tokens already sent) and runs one ``R
 
 Every stage link is dropped first, so every stage frees the KV of every sequence; after the new
 pipeline is up, each sequence is admitted again with its prompt plus the tokens it had produced
-as its prefill, and goes on from the next token (``Coordinator._generate``). Sampling draws are a
+as its prefill, and goes on from the next token (``Coordinator._replayed``). Sampling draws are a
 function of (seed, position) (``engine/sampling.py``), so a replayed sequence draws what it
 would have. The coordinator itself is not replicated: see docs/failover.md.
 """
@@ -20,44 +20,40 @@ would have. The coordinator itself is not replicated: see docs/failover.md.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any
 
-from mlxppd.core.config.cluster import ClusterConfig, Node
+from mlxppd.core.config.cluster import Node
 from mlxppd.core.cpu_weights import float32_config
 from mlxppd.core.errors import ConfigurationError, MlxppError
 from mlxppd.core.layer_ranges import LayerRange
 from mlxppd.core.partition.plan import balance_layers
 from mlxppd.core.profile.model import ModelConfig, profile_from_config
-from mlxppd.core.protocol.control import Reassign, ReassignReply, StageReport, Status
-from mlxppd.core.strict import StrictModel
+from mlxppd.core.protocol.control import StageReport, Status
 from mlxppd.runtime.backends.contract import BackendUnavailable
+from mlxppd.runtime.coordinator.chain import LayerMoveError, LinkLost, StageChain, drop_links
 from mlxppd.runtime.coordinator.stage_link import StageLink
 
 
-class Pipeline(Protocol):
-    """What a recovery needs of the coordinator (``Coordinator`` provides it)."""
+@dataclass(frozen=True)
+class ChainBuilder:
+    """How the coordinator builds a pipeline: a recovery's trial chains are built the same way
+    as the serving one, with its error policy, and configured the same way."""
 
-    cluster: ClusterConfig
-    plan: tuple[LayerRange, ...] | None
-    file_plan: tuple[LayerRange, ...] | None
+    open_link: Callable[[Node], Awaitable[StageLink]]
+    """a link to the node with its reader running (one try)"""
+    on_lost: LinkLost
+    configure: Callable[[StageChain], Awaitable[None]]
+    """check what every stage serves, then tell each its place in the chain"""
 
-    def chain_nodes(self) -> list[Node]: ...
-    async def open_link(self, node: Node, timeout_s: float = 0.0) -> StageLink: ...
-    async def drop_links(self, links: list[StageLink]) -> None: ...
-    async def configure_chain(self, links: list[StageLink]) -> None: ...
-    async def ask(
-        self, link: StageLink, command: StrictModel, reply: type[ReplyT], timeout_s: float = ...
-    ) -> ReplyT: ...
-    def install(self, links: list[StageLink], plan: tuple[LayerRange, ...] | None) -> None: ...
+    def chain(self, links: list[StageLink], plan: tuple[LayerRange, ...] | None) -> StageChain:
+        return StageChain(links, plan, self.on_lost)
 
 
 log = logging.getLogger("mlxppd.failover")
-ReplyT = TypeVar("ReplyT", bound=StrictModel)
 
 #: how a recovery ended; the label of ``mlxpp_pp_failovers_total``
 OUTCOMES = ("reconnected", "standby", "survivors", "failed")
@@ -140,21 +136,27 @@ class FailoverEvent:
 
 @dataclass(frozen=True)
 class NewPipeline:
-    links: list[StageLink]
-    plan: tuple[LayerRange, ...] | None
+    chain: StageChain
     outcome: str
+    """one of OUTCOMES"""
     detail: str
 
 
 class Recovery:
     """The paths after one loss, in the order an operator would want; the first that works."""
 
-    def __init__(self, coordinator: Pipeline, settings: FailoverSettings, lost: int):
-        self.c = coordinator
+    def __init__(
+        self, build: ChainBuilder, settings: FailoverSettings, lost: StageChain, index: int,
+        standby: list[Node], file_plan: tuple[LayerRange, ...] | None,
+    ) -> None:  # fmt: skip
+        self.build = build
         self.settings = settings
-        self.lost = lost
-        self.nodes = list(coordinator.chain_nodes())
-        self.plan = coordinator.plan
+        self.lost = index
+        self.nodes = lost.nodes()
+        self.plan = lost.plan
+        self.standby = standby
+        #: the plan of the cluster file, which a restarted stage holds again
+        self.file_plan = file_plan
 
     async def attempt(
         self, reason: str, sequences: int
@@ -168,11 +170,11 @@ class Recovery:
             async with asyncio.timeout(self.settings.recovery_timeout_s):
                 new = await self.run()
                 if new is not None:
-                    await self.c.configure_chain(new.links)
+                    await self.build.configure(new.chain)
         except (TimeoutError, MlxppError, OSError) as exc:
             log.error("failover: the recovery failed: %s", exc or "timed out")
             if new is not None:
-                await self.c.drop_links(new.links)
+                await new.chain.close()
             new = None
         detail = new.detail if new is not None else (
             "the node did not come back, no standby took its layers and the surviving stages "
@@ -184,8 +186,9 @@ class Recovery:
                     event.seconds, detail, sequences, "replayed" if new else "failed")  # fmt: skip
         return event, new
 
-    async def until_back(self) -> None:
-        """After a failed recovery: the original nodes, every few seconds, until they are back."""
+    async def until_back(self) -> StageChain:
+        """After a failed recovery: the original nodes, every few seconds, until they are
+        back; their chain, configured."""
         while True:
             await asyncio.sleep(self.settings.retry_every_s)
             links = await self._reconnect(self.nodes, time.monotonic())
@@ -193,14 +196,13 @@ class Recovery:
                 continue
             try:
                 new = await self._realign(links)
-                await self.c.configure_chain(links)
+                await self.build.configure(new.chain)
             except (MlxppError, OSError) as exc:
                 log.info("failover: the stages are back but not ready yet: %s", exc)
-                await self.c.drop_links(links)
+                await drop_links(links)
                 continue
-            self.c.install(links, new.plan)
             log.warning("failover: the lost stage is back; serving again")
-            return
+            return new.chain
 
     async def run(self) -> NewPipeline | None:
         """The new pipeline, or None when no path worked (the caller fails the requests)."""
@@ -211,31 +213,30 @@ class Recovery:
         links = await self._reconnect(survivors, time.monotonic())
         if links is None:
             return None  # more than one stage is gone: nothing to build on
-        for standby in self.c.cluster.standby_nodes():
+        for standby in self.standby:
             adopted = await self._adopt(standby, links)
             if adopted is not None:
                 return adopted
         spread = await self._spread(links)
         if spread is not None:
             return spread
-        await self.c.drop_links(links)
+        await drop_links(links)
         return None
 
     async def _realign(self, links: list[StageLink]) -> NewPipeline:
         """The lost node is back. A restarted stage holds the cluster file's layers: when the
         plan in force was another (an elastic repartition), every stage returns to the file's,
         as a reconnecting coordinator does (``Coordinator.align_stages``)."""
-        held = [(await self.c.ask(link, Status(), StageReport)).layers for link in links]
-        plan = self.plan
-        if plan is not None and held != [(r.start, r.end) for r in plan]:
-            plan = self.c.file_plan
+        chain = self.build.chain(links, self.plan)
+        held = [r.layers for r in await chain.status()]
+        if self.plan is not None and held != [r.pair for r in self.plan]:
+            plan = self.file_plan
             if plan is None or len(plan) != len(links):
                 raise MlxppError("the stages hold other layers than the plan, and none fits")
-            target = [(r.start, r.end) for r in plan]
-            if not await self._move(links, target, list(range(len(links)))):
+            if not await self._move(chain, plan, list(range(len(links)))):
                 raise MlxppError("the stages could not return to the cluster file's layers")
             log.info("failover: moved the stages back to the planned layers")
-        return NewPipeline(links, plan, "reconnected", "the lost node came back")
+        return NewPipeline(chain, "reconnected", "the lost node came back")
 
     async def _reconnect(self, nodes: list[Node], deadline: float) -> list[StageLink] | None:
         """Links to every node of ``nodes``, trying until ``deadline``; None if one stays away."""
@@ -243,10 +244,10 @@ class Recovery:
             links: list[StageLink] = []
             try:
                 for node in nodes:
-                    links.append(await self.c.open_link(node))
+                    links.append(await self.build.open_link(node))
                 return links
             except (MlxppError, OSError) as exc:
-                await self.c.drop_links(links)
+                await drop_links(links)
                 if time.monotonic() >= deadline:
                     log.info("failover: %s", exc)
                     return None
@@ -257,73 +258,58 @@ class Recovery:
         if self.plan is None:
             return None
         try:
-            link = await self.c.open_link(standby)
+            link = await self.build.open_link(standby)
         except (MlxppError, OSError) as exc:
             log.warning("failover: standby %s is not reachable: %s", standby.id, exc)
             return None
-        report = await self.c.ask(link, Status(), StageReport)
+        alone = self.build.chain([link], None)
+        report = await alone.ask(link, Status(), StageReport)
         if report.stage != -1:
             log.warning("failover: %s is not an idle standby (it serves stage %d)", standby.id,
                         report.stage)  # fmt: skip
-            await self.c.drop_links([link])
+            await alone.close()
             return None
-        plan = [(r.start, r.end) for r in self.plan]
-        if not await self._move([link], plan, [self.lost]):
-            await self.c.drop_links([link])
+        if not await self._move(alone, self.plan, [self.lost]):
+            await alone.close()
             return None
         links = [*survivors[: self.lost], link, *survivors[self.lost :]]
-        detail = f"standby {standby.id} took layers {plan[self.lost][0]}-{plan[self.lost][1] - 1}"
-        return NewPipeline(links, self.plan, "standby", detail)
+        held = self.plan[self.lost]
+        detail = f"standby {standby.id} took layers {held.start}-{held.end - 1}"
+        return NewPipeline(self.build.chain(links, self.plan), "standby", detail)
 
     async def _spread(self, survivors: list[StageLink]) -> NewPipeline | None:
         """The survivors share the lost layers, when the partitioner says they fit."""
         if self.settings.replan is None or not survivors:
             return None
-        reports = [await self.c.ask(link, Status(), StageReport) for link in survivors]
-        target = self.settings.replan(reports)
+        chain = self.build.chain(survivors, None)
+        target = self.settings.replan(await chain.status())
         if target is None:
             log.warning("failover: the %d surviving stages lack the memory for the model",
                         len(survivors))  # fmt: skip
             return None
-        plan = [(r.start, r.end) for r in target]
-        if not await self._move(survivors, plan, list(range(len(survivors)))):
+        if not await self._move(chain, target, list(range(len(survivors)))):
             return None
         detail = f"{len(survivors)} survivors now hold " + ", ".join(
-            f"{a}-{b - 1}" for a, b in plan
+            f"{r.start}-{r.end - 1}" for r in target
         )
-        return NewPipeline(survivors, target, "survivors", detail)
+        return NewPipeline(chain, "survivors", detail)
 
     async def _move(
-        self, links: list[StageLink], plan: list[tuple[int, int]], stages: list[int]
+        self, chain: StageChain, plan: tuple[LayerRange, ...], stages: list[int]
     ) -> bool:
-        """Prepare then commit ``plan`` on ``links`` (link i becomes stage ``stages[i]``)."""
-        timeout = self.settings.recovery_timeout_s
-
-        async def phase(name: Any) -> list[ReassignReply]:
-            return list(
-                await asyncio.gather(
-                    *(
-                        self.c.ask(
-                            link, Reassign(phase=name, plan=plan, stage=s), ReassignReply, timeout
-                        )  # fmt: skip
-                        for link, s in zip(links, stages, strict=True)
-                    )
-                )
-            )
-
-        prepared = await phase("prepare")
-        refused = [r.error for r in prepared if not r.ok]
-        if refused:
-            log.warning("failover: the new layers could not be loaded: %s", "; ".join(
-                str(e) for e in refused))  # fmt: skip
-            with contextlib.suppress(MlxppError, OSError):
-                await phase("abort")
+        """The chain's two-phase move to ``plan`` (its link i becomes stage ``stages[i]``)."""
+        try:
+            prepared = await chain.move(plan, self.settings.recovery_timeout_s, stages)
+        except LayerMoveError as exc:
+            log.warning("failover: the new layers could not be loaded: %s", exc)
             return False
-        for link, reply in zip(links, prepared, strict=True):
+        except BackendUnavailable as exc:
+            log.warning("failover: a stage was lost while loading the new layers: %s", exc)
+            return False
+        for link, reply in zip(chain.links, prepared, strict=True):
             load = reply.load()
             if load is not None:
                 log.info("failover: %s loaded layers %d-%d (%d tensors read, %d kept) in %.1f s",
                          link.node.id, load.layers[0], load.layers[1] - 1, load.loaded_tensors,
                          load.reused_tensors, load.load_s)  # fmt: skip
-        committed = await phase("commit")
-        return all(r.ok for r in committed)
+        return True

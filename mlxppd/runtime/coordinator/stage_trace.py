@@ -13,21 +13,22 @@ from mlxppd.core.protocol.control import (
     TraceReply,
     parse_trace_events,
 )
-from mlxppd.runtime.coordinator.control_client import BadReplyError, ControlClient
+from mlxppd.runtime.coordinator.chain import StageChain
+from mlxppd.runtime.coordinator.stage_link import StageLink
 
 
-async def stage_trace_events(control: ControlClient) -> list[dict[str, object]]:
+async def stage_trace_events(chain: StageChain, link: StageLink) -> list[dict[str, object]]:
     """The stage's recorded events (which it then forgets), timestamps moved onto our clock.
 
     The offset is estimated from a status round trip: the stage read its clock about halfway
     through it.
     """
     sent = time.time()
-    status = await control.ask(Status(), StageReport)
+    status = await chain.ask(link, Status(), StageReport)
     offset_us = (status.now - (sent + time.time()) / 2) * 1e6
-    _, payload = await control.ask_with_payload(TraceDump(), TraceReply)
+    _, payload = await chain.ask_with_payload(link, TraceDump(), TraceReply)
     try:
         events = parse_trace_events(payload)
     except ValidationError as exc:
-        raise BadReplyError(f"malformed trace events: {exc.errors()[0]['msg']}") from None
+        raise chain.lost(link, f"malformed trace events: {exc.errors()[0]['msg']}") from None
     return [{**e.model_dump(exclude_none=True), "ts": e.ts - offset_us} for e in events]
