@@ -5,7 +5,7 @@ the mode-selecting flags and refuses, with one sentence naming the flag and the 
 flag given that the mode does not use (``FLAGS_USED``), and every flag whose companion is
 missing (``NEEDS``). A flag counts as given when its value is not None or False, so the parser
 leaves every default None and ``with_defaults`` fills them in after the check
-(``SERVE_DEFAULTS``). tests/test_serve_flags.py walks every mode and every flag of the parser.
+(``SERVE_DEFAULTS``). tests/cli/test_serve_flags.py walks every mode and every flag of the parser.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ class Need:
 
     holds: Callable[[argparse.Namespace], bool]
     why: str
-    #: flags that make it hold (what tests/test_serve_flags.py adds)
+    #: flags that make it hold (what tests/cli/test_serve_flags.py adds)
     enabling: tuple[str, ...]
 
 

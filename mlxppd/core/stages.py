@@ -52,10 +52,12 @@ class StageSpec:
     def standby(cls, num_stages: int) -> StageSpec:
         return cls(STANDBY_INDEX, num_stages, 0, 0)
 
+    @classmethod
+    def holding(cls, index: int, num_stages: int, layers: LayerRange) -> StageSpec:
+        """Stage ``index`` of ``num_stages``, holding ``layers``."""
+        return cls(index, num_stages, layers.start, layers.end)
+
 
 def stage_specs(ranges: tuple[LayerRange, ...]) -> tuple[StageSpec, ...]:
     """One StageSpec per contiguous layer range, in stage order."""
-    return tuple(
-        StageSpec(index=i, num_stages=len(ranges), start=r.start, end=r.end)
-        for i, r in enumerate(ranges)
-    )
+    return tuple(StageSpec.holding(i, len(ranges), r) for i, r in enumerate(ranges))

@@ -164,7 +164,7 @@ async def run_stage_node(options: NodeOptions) -> int:
         secret=secret,
         model_dir=model_dir,
         model_config=config,
-        spec=StageSpec(node.stage, len(ranges), layers.start, layers.end),
+        spec=StageSpec.holding(node.stage, len(ranges), layers),
         host=node.host,
         port=node.port,
         transport=cluster.cluster.transport_backend,

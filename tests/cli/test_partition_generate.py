@@ -15,8 +15,8 @@ from mlxppd.core.layer_ranges import LayerRange, format_pp_layers
 from mlxppd.core.partition.plan import balance_layers
 from mlxppd.core.profile.model import profile_from_config, read_model_config
 from mlxppd.runtime.generate import plan_stages
-from tests.core.test_model_profile_cases import CASES
-from tests.core.test_partition import GEMMA4_E2B
+from tests.support.checkpoint_configs import GEMMA4_E2B
+from tests.support.profile_cases import CASES
 from tests.support.references import served_weights
 
 MLXPPD = [sys.executable, "-m", "mlxppd.cli.mlxppd_main"]

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from tests.core.test_model_profile_cases import CASES
-from tests.core.test_partition import GEMMA4_E2B, LLAMA_8B_4BIT
+from tests.support.checkpoint_configs import GEMMA4_E2B, LLAMA_8B_4BIT
+from tests.support.profile_cases import CASES
 
 MLXPPCTL = [sys.executable, "-m", "mlxppd.cli.mlxppctl_main"]
 GiB = 2**30

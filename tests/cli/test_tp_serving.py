@@ -23,10 +23,10 @@ import pytest
 from mlxppd.runtime.local_cluster import free_port
 from mlxppd.wire.secret import write_new_secret
 from tests.support.references import greedy_answers
+from tests.support.tp_serving import QUESTION
 
 pytestmark = pytest.mark.slow
 
-QUESTION = "What is the capital of France?"
 #: s1-r1's KV budget: room for the short request, not for a long one
 SMALL_BUDGET = 24 * 1024
 

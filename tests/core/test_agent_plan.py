@@ -9,7 +9,6 @@ import pytest
 
 from mlxppd.core.agent.desired import desired_state, match_node
 from mlxppd.core.agent.plan import (
-    CoordinatorTarget,
     DesiredState,
     ObservedState,
     RebindStage,
@@ -17,7 +16,6 @@ from mlxppd.core.agent.plan import (
     ReplanCoordinator,
     RestartCoordinator,
     SetGeneration,
-    StageAddress,
     StageTarget,
     StartCoordinator,
     StartStage,
@@ -32,37 +30,12 @@ from mlxppd.core.config.host import load_host_settings
 from mlxppd.core.cpu_weights import CpuWeights
 from mlxppd.core.layer_ranges import LayerRange
 from mlxppd.core.stages import STANDBY_INDEX
+from tests.support.agent_states import COORD, POLICY, STAGE, coord_node, running, stage_node
+from tests.support.cluster_toml import cluster_toml, grid_nodes
 
-POLICY = ElasticPolicy()
-STAGE = StageTarget("s0", 0, 2, LayerRange(0, 15), "10.0.0.2", 19001, "tcp")
-COORD = CoordinatorTarget(
-    "c",
-    "0.0.0.0",
-    8080,
-    "tcp",
-    (StageAddress("s0", "10.0.0.2", 19001), StageAddress("s1", "10.0.0.3", 19001)),
-    (LayerRange(0, 15), LayerRange(15, 30)),
-)
 SPLIT_20 = (LayerRange(0, 20), LayerRange(20, 30))
 # A standby node's worker: same path as a stage's, no layers of its own.
 STANDBY = StageTarget("s0", STANDBY_INDEX, 2, None, "10.0.0.2", 19001, "tcp")
-
-
-def stage_node(stage: StageTarget = STAGE, gen: str = "g1") -> DesiredState:
-    return DesiredState("s0", gen, POLICY, stage=stage)
-
-
-def coord_node(coord: CoordinatorTarget = COORD, gen: str = "g1") -> DesiredState:
-    return DesiredState("c", gen, POLICY, coordinator=coord)
-
-
-def running(
-    stage: StageTarget | None = None,
-    coord: CoordinatorTarget | None = None,
-    gen: str | None = "g1",
-    connected: bool = True,
-) -> ObservedState:
-    return ObservedState(gen, POLICY, stage, coord, connected)
 
 
 CASES = [
@@ -443,9 +416,7 @@ def test_a_stage_that_lost_a_rank_starts_again() -> None:
 
 
 def test_a_2d_toml_gives_each_rank_its_ring(tmp_path: Path) -> None:
-    from tests.core.test_cluster_config import _grid, _toml
-
-    cluster = parse_cluster_config(_toml({"tensor_parallel_size": 2}, _grid()), "t")
+    cluster = parse_cluster_config(cluster_toml({"tensor_parallel_size": 2}, grid_nodes()), "t")
     host = load_host_settings(tmp_path, environ={})
     node = cluster.find_node("s1-r1")
     assert node is not None

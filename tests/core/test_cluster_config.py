@@ -30,6 +30,15 @@ from mlxppd.core.config.cluster import (
 from mlxppd.core.config.render import CLUSTER_TOML_HEADER, render_cluster_toml
 from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.layer_ranges import LayerRange
+from tests.support.cluster_toml import (
+    COORD,
+    STAGES_2,
+    Table,
+    cluster_toml,
+    grid_nodes,
+    load_text,
+    refused,
+)
 from tests.support.paths import REPO_ROOT
 
 ROOT = REPO_ROOT
@@ -39,84 +48,14 @@ EXAMPLES = ROOT / "etc" / "mlxpp"
 # -- helpers ---------------------------------------------------------------------------------
 
 
-def _value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, list):
-        return "[" + ", ".join(_value(x) for x in v) + "]"
-    return json.dumps(v) if isinstance(v, str) else str(v)
-
-
-def _toml(cluster: dict[str, Any] | None = None, nodes: list[dict[str, Any]] | None = None) -> str:
-    """A cluster TOML: the default 2-stage cluster, with ``cluster`` keys merged in and ``nodes``
-    replacing the node list when given (a value of None drops the key)."""
-    table: Table = {"name": "test", "pipeline_parallel_size": 2}
-    table.update(cluster or {})
-    policies = {key: table.pop(key, None) for key in ("elastic", "failover")}
-    lines = ["[cluster]"] + [f"{k} = {_value(v)}" for k, v in table.items() if v is not None]
-    for key, policy in policies.items():
-        if policy is not None:
-            lines += ["", f"[cluster.{key}]"] + [f"{k} = {_value(v)}" for k, v in policy.items()]
-    for node in _STAGES_2 if nodes is None else nodes:
-        lines += ["", "[[nodes]]"] + [
-            f"{k} = {_value(v)}" for k, v in node.items() if v is not None
-        ]
-    return "\n".join(lines) + "\n"
-
-
-Table = dict[str, Any]
-COORD: Table = {"id": "coord", "address": "10.0.0.1:19000", "role": "hybrid"}
-_STAGES_2: list[Table] = [
-    COORD,
-    {"id": "a", "address": "10.0.0.2:19001", "role": "pipeline_stage", "stage": 0},
-    {"id": "b", "address": "10.0.0.3:19001", "role": "pipeline_stage", "stage": 1},
-]
-
-
 def _standby(name: str = "spare", host: int = 9) -> Table:
     return {"id": name, "address": f"10.0.0.{host}:19001", "role": "standby"}
-
-
-def _grid(pp: int = 2, tp: int = 2, role: str = "pipeline_tensor_parallel") -> list[dict[str, Any]]:
-    nodes: list[Table] = [COORD]
-    for s in range(pp):
-        for r in range(tp):
-            address = f"10.0.{s + 1}.{r + 1}:8080"
-            nodes.append(
-                {"id": f"s{s}-r{r}", "address": address, "role": role, "stage": s, "rank": r}
-            )
-    return nodes
 
 
 def _with(nodes: list[dict[str, Any]], index: int, **changes: Any) -> list[dict[str, Any]]:
     out = [dict(n) for n in nodes]
     out[index].update(changes)
     return out
-
-
-def _load(tmp_path: Path, text: str) -> ClusterConfig:
-    path = tmp_path / "cluster.toml"
-    path.write_text(text, encoding="utf-8")
-    return load_cluster_config(path)
-
-
-def _refused(tmp_path: Path, text: str, key: str | None, *fragments: str) -> str:
-    """Load ``text`` from a file; it must be refused at ``key`` with every fragment in the
-    message. Returns the message."""
-    path = tmp_path / "cluster.toml"
-    path.write_text(text, encoding="utf-8")
-    with pytest.raises(ConfigurationError) as info:
-        load_cluster_config(path)
-    error = info.value
-    message = str(error)
-    assert error.source == str(path)
-    assert message.startswith(f"{path}: ")
-    assert error.key == key, message
-    if key is not None:
-        assert message.startswith(f"{path}: {key}: "), message
-    for fragment in fragments:
-        assert fragment in message, message
-    return message
 
 
 # -- the shipped examples --------------------------------------------------------------------
@@ -148,7 +87,7 @@ def test_example_standby_node_loads_once_uncommented(tmp_path: Path) -> None:
         '# [[nodes]]\n# id = "standby-0"\n# address = "192.168.1.13:19001"\n# role = "standby"\n'
     )
     assert block in text
-    cfg = _load(tmp_path, text.replace(block, block.replace("# ", "")))
+    cfg = load_text(tmp_path, text.replace(block, block.replace("# ", "")))
     assert [n.id for n in cfg.standby_nodes()] == ["standby-0"]
     assert [n.id for n in cfg.stage_nodes()] == ["stage-0", "stage-1"]
 
@@ -160,7 +99,7 @@ def test_examples_render_stably(name: str) -> None:
 
 
 def test_a_transport_port_range_renders_after_the_backend_and_round_trips() -> None:
-    cfg = parse_cluster_config(_toml({"transport_port_range": "40000 -40009"}), "t")
+    cfg = parse_cluster_config(cluster_toml({"transport_port_range": "40000 -40009"}), "t")
     text = render_cluster_toml(cfg)
     assert 'transport_backend = "tcp"\ntransport_port_range = "40000-40009"\n' in text
     assert parse_cluster_config(text, "t") == cfg
@@ -171,7 +110,7 @@ def test_a_transport_port_range_renders_after_the_backend_and_round_trips() -> N
 
 
 def test_defaults() -> None:
-    cfg = parse_cluster_config(_toml(cluster={"name": None}), "t.toml")
+    cfg = parse_cluster_config(cluster_toml(cluster={"name": None}), "t.toml")
     assert cfg.cluster.name == "mlxpp-cluster"
     assert cfg.cluster.tensor_parallel_size == 1
     assert cfg.cluster.transport_backend == "tcp"
@@ -193,14 +132,16 @@ def test_defaults() -> None:
 
 def test_elastic_table_is_read() -> None:
     elastic = {"enabled": True, "drain_timeout_s": 5, "pressure_fraction": 0.5, "cool_down_s": 0}
-    cfg = parse_cluster_config(_toml(cluster={"elastic": elastic}), "t.toml")
+    cfg = parse_cluster_config(cluster_toml(cluster={"elastic": elastic}), "t.toml")
     assert cfg.cluster.elastic == ElasticPolicy(
         enabled=True, drain_timeout_s=5.0, pressure_fraction=0.5, cool_down_s=0.0
     )
 
 
 def test_accessors_on_a_2d_cluster() -> None:
-    cfg = parse_cluster_config(_toml({"tensor_parallel_size": 2}, list(reversed(_grid()))), "t")
+    cfg = parse_cluster_config(
+        cluster_toml({"tensor_parallel_size": 2}, list(reversed(grid_nodes()))), "t"
+    )
     assert cfg.coordinator.id == "coord"
     assert [n.id for n in cfg.stage_nodes()] == ["s0-r0", "s0-r1", "s1-r0", "s1-r1"]
     assert [n.id for n in cfg.nodes_at_stage(1)] == ["s1-r0", "s1-r1"]
@@ -209,7 +150,7 @@ def test_accessors_on_a_2d_cluster() -> None:
 
 
 def test_nodes_at_rank_zero_is_every_stage_in_a_pipeline_only_cluster() -> None:
-    cfg = parse_cluster_config(_toml(), "t")
+    cfg = parse_cluster_config(cluster_toml(), "t")
     assert [n.id for n in cfg.nodes_at_rank(0)] == ["a", "b"]
     assert cfg.nodes_at_rank(1) == []
     assert [n.id for n in cfg.nodes_at_stage(0)] == ["a"]
@@ -221,7 +162,7 @@ def test_node_host_and_port() -> None:
 
 
 def test_models_are_frozen_and_forbid_extra_keys() -> None:
-    cfg = parse_cluster_config(_toml(), "t")
+    cfg = parse_cluster_config(cluster_toml(), "t")
     with pytest.raises(ValidationError):
         cfg.cluster.name = "other"  # type: ignore[misc]
     with pytest.raises(ValidationError):
@@ -232,26 +173,30 @@ def test_models_are_frozen_and_forbid_extra_keys() -> None:
 
 
 def test_coordinator_is_an_alias_of_hybrid() -> None:
-    cfg = parse_cluster_config(_toml(nodes=_with(_STAGES_2, 0, role="coordinator")), "t")
+    cfg = parse_cluster_config(cluster_toml(nodes=_with(STAGES_2, 0, role="coordinator")), "t")
     assert cfg.coordinator.role is NodeRole.COORDINATOR
 
 
 @pytest.mark.parametrize("alias", ["pp_tp", "2d", "pipeline_tensor_parallel"])
 def test_2d_role_aliases(alias: str) -> None:
-    cfg = parse_cluster_config(_toml({"tensor_parallel_size": 2}, _grid(role=alias)), "t")
+    cfg = parse_cluster_config(
+        cluster_toml({"tensor_parallel_size": 2}, grid_nodes(role=alias)), "t"
+    )
     assert all(n.role is NodeRole.PIPELINE_TENSOR_PARALLEL for n in cfg.stage_nodes())
 
 
 def test_aliases_render_as_the_canonical_role() -> None:
-    cfg = parse_cluster_config(_toml({"tensor_parallel_size": 2}, _grid(role="2d")), "t")
+    cfg = parse_cluster_config(
+        cluster_toml({"tensor_parallel_size": 2}, grid_nodes(role="2d")), "t"
+    )
     text = render_cluster_toml(cfg)
     assert 'role = "pipeline_tensor_parallel"' in text and "2d" not in text
 
 
 def test_unknown_role(tmp_path: Path) -> None:
-    _refused(
+    refused(
         tmp_path,
-        _toml(nodes=_with(_STAGES_2, 1, role="worker")),
+        cluster_toml(nodes=_with(STAGES_2, 1, role="worker")),
         "nodes[1].role",
         "unknown role 'worker'",
         "'pipeline_stage'",
@@ -262,42 +207,45 @@ def test_unknown_role(tmp_path: Path) -> None:
 
 
 def test_pipeline_needs_at_least_two_stages(tmp_path: Path) -> None:
-    _refused(
+    refused(
         tmp_path,
-        _toml({"pipeline_parallel_size": 1}),
+        cluster_toml({"pipeline_parallel_size": 1}),
         "cluster.pipeline_parallel_size",
         "use a value at least 2",
     )
 
 
 def test_pipeline_parallel_size_is_required(tmp_path: Path) -> None:
-    _refused(
+    refused(
         tmp_path,
-        _toml({"pipeline_parallel_size": None}),
+        cluster_toml({"pipeline_parallel_size": None}),
         "cluster.pipeline_parallel_size",
         "required key missing",
     )
 
 
 def test_pipeline_parallel_size_must_be_an_integer(tmp_path: Path) -> None:
-    _refused(
+    refused(
         tmp_path,
-        _toml({"pipeline_parallel_size": "2"}),
+        cluster_toml({"pipeline_parallel_size": "2"}),
         "cluster.pipeline_parallel_size",
         "expected an integer, got a string '2'",
     )
 
 
 def test_tensor_parallel_size_at_least_one(tmp_path: Path) -> None:
-    _refused(
-        tmp_path, _toml({"tensor_parallel_size": 0}), "cluster.tensor_parallel_size", "at least 1"
+    refused(
+        tmp_path,
+        cluster_toml({"tensor_parallel_size": 0}),
+        "cluster.tensor_parallel_size",
+        "at least 1",
     )
 
 
 def test_unknown_transport_backend(tmp_path: Path) -> None:
-    _refused(
+    refused(
         tmp_path,
-        _toml({"transport_backend": "udp"}),
+        cluster_toml({"transport_backend": "udp"}),
         "cluster.transport_backend",
         "'tcp', 'thunderbolt' or 'rdma'",
     )
@@ -305,13 +253,13 @@ def test_unknown_transport_backend(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("backend", ["tcp", "thunderbolt", "rdma"])
 def test_transport_backends(backend: str) -> None:
-    cfg = parse_cluster_config(_toml({"transport_backend": backend}), "t")
+    cfg = parse_cluster_config(cluster_toml({"transport_backend": backend}), "t")
     assert cfg.cluster.transport_backend == backend
 
 
 @pytest.mark.parametrize("name", ["", "   "])
 def test_cluster_name_must_not_be_empty(tmp_path: Path, name: str) -> None:
-    _refused(tmp_path, _toml({"name": name}), "cluster.name", "the cluster name is empty")
+    refused(tmp_path, cluster_toml({"name": name}), "cluster.name", "the cluster name is empty")
 
 
 @pytest.mark.parametrize(
@@ -321,9 +269,9 @@ def test_cluster_name_must_not_be_empty(tmp_path: Path, name: str) -> None:
 def test_the_cluster_name_obeys_the_node_id_rules(
     tmp_path: Path, name: str, suggestion: str
 ) -> None:
-    message = _refused(
+    message = refused(
         tmp_path,
-        _toml({"name": name}),
+        cluster_toml({"name": name}),
         "cluster.name",
         "letters, digits, '.', '_' and '-'",
         "1 to 255 characters",
@@ -335,25 +283,25 @@ def test_the_cluster_name_obeys_the_node_id_rules(
 
 def test_a_cluster_name_of_255_allowed_characters_is_accepted() -> None:
     name = "A-z_0.9" + "x" * 248
-    assert parse_cluster_config(_toml({"name": name}), "t").cluster.name == name
+    assert parse_cluster_config(cluster_toml({"name": name}), "t").cluster.name == name
 
 
 def test_a_node_id_is_at_most_255_characters(tmp_path: Path) -> None:
-    _refused(
+    refused(
         tmp_path,
-        _toml(nodes=_with(_STAGES_2, 1, id="n" * 256)),
+        cluster_toml(nodes=_with(STAGES_2, 1, id="n" * 256)),
         "nodes[1].id",
         "1 to 255 characters",
     )
 
 
 def test_missing_cluster_table(tmp_path: Path) -> None:
-    text = _toml().split("\n\n", 1)[1]
-    _refused(tmp_path, text, "cluster", "required key missing; add a [cluster] table")
+    text = cluster_toml().split("\n\n", 1)[1]
+    refused(tmp_path, text, "cluster", "required key missing; add a [cluster] table")
 
 
 def test_missing_nodes(tmp_path: Path) -> None:
-    _refused(tmp_path, _toml(nodes=[]), "nodes", "required key missing", "[[nodes]]")
+    refused(tmp_path, cluster_toml(nodes=[]), "nodes", "required key missing", "[[nodes]]")
 
 
 @pytest.mark.parametrize(
@@ -368,7 +316,7 @@ def test_missing_nodes(tmp_path: Path) -> None:
     ],
 )
 def test_elastic_values(tmp_path: Path, key: str, value: Any, fix: str) -> None:
-    _refused(tmp_path, _toml({"elastic": {key: value}}), f"cluster.elastic.{key}", fix)
+    refused(tmp_path, cluster_toml({"elastic": {key: value}}), f"cluster.elastic.{key}", fix)
 
 
 # -- [cluster.failover] -----------------------------------------------------------------------
@@ -382,7 +330,7 @@ def test_failover_table_is_read() -> None:
         "reconnect_grace_s": 3,
         "recovery_timeout_s": 3600,
     }
-    cfg = parse_cluster_config(_toml({"failover": failover}), "t.toml")
+    cfg = parse_cluster_config(cluster_toml({"failover": failover}), "t.toml")
     assert cfg.cluster.failover == FailoverPolicy(
         enabled=False,
         heartbeat_interval_s=0.5,
@@ -406,7 +354,7 @@ def test_failover_table_is_read() -> None:
     ],
 )
 def test_failover_values(tmp_path: Path, key: str, value: Any, fix: str) -> None:
-    _refused(tmp_path, _toml({"failover": {key: value}}), f"cluster.failover.{key}", fix)
+    refused(tmp_path, cluster_toml({"failover": {key: value}}), f"cluster.failover.{key}", fix)
 
 
 @pytest.mark.parametrize(("interval", "timeout"), [(1.0, 2.0), (1.0, 1.5), (2.5, 5.0), (10.0, 5.0)])
@@ -414,9 +362,9 @@ def test_heartbeat_timeout_must_outlast_two_intervals(
     tmp_path: Path, interval: float, timeout: float
 ) -> None:
     failover = {"heartbeat_interval_s": interval, "heartbeat_timeout_s": timeout}
-    message = _refused(
+    message = refused(
         tmp_path,
-        _toml({"failover": failover}),
+        cluster_toml({"failover": failover}),
         "cluster.failover.heartbeat_timeout_s",
         f"heartbeat_timeout_s = {timeout:g} s is not more than twice heartbeat_interval_s "
         f"({interval:g} s)",
@@ -428,14 +376,14 @@ def test_heartbeat_timeout_must_outlast_two_intervals(
 
 def test_heartbeat_timeout_just_over_two_intervals_is_accepted() -> None:
     failover = {"heartbeat_interval_s": 1.0, "heartbeat_timeout_s": 2.01}
-    cfg = parse_cluster_config(_toml({"failover": failover}), "t")
+    cfg = parse_cluster_config(cluster_toml({"failover": failover}), "t")
     assert cfg.cluster.failover.heartbeat_timeout_s == 2.01
 
 
 def test_unknown_failover_key(tmp_path: Path) -> None:
-    _refused(
+    refused(
         tmp_path,
-        _toml({"failover": {"heartbeat_timeout": 5}}),
+        cluster_toml({"failover": {"heartbeat_timeout": 5}}),
         "cluster.failover.heartbeat_timeout",
         "did you mean 'heartbeat_timeout_s'?",
     )
@@ -453,15 +401,15 @@ def test_failover_policy_is_frozen_and_forbids_extra_keys() -> None:
 
 
 def test_layers_are_read_and_normalised() -> None:
-    cfg = parse_cluster_config(_toml({"layers": ["0 - 14", "15-29"]}), "t")
+    cfg = parse_cluster_config(cluster_toml({"layers": ["0 - 14", "15-29"]}), "t")
     assert cfg.cluster.layers == ["0-14", "15-29"]
     assert cfg.cluster.layer_ranges() == (LayerRange(0, 15), LayerRange(15, 30))
 
 
 def test_layers_need_one_range_per_stage(tmp_path: Path) -> None:
-    _refused(
+    refused(
         tmp_path,
-        _toml({"layers": ["0-9", "10-19", "20-29"]}),
+        cluster_toml({"layers": ["0-9", "10-19", "20-29"]}),
         "cluster.layers",
         "3 layer ranges for pipeline_parallel_size = 2",
         "exactly one range per stage",
@@ -469,36 +417,43 @@ def test_layers_need_one_range_per_stage(tmp_path: Path) -> None:
 
 
 def test_layers_bad_syntax_names_the_entry(tmp_path: Path) -> None:
-    _refused(
-        tmp_path, _toml({"layers": ["0-14", "15_29"]}), "cluster.layers[1]", "'15_29' is not a"
+    refused(
+        tmp_path,
+        cluster_toml({"layers": ["0-14", "15_29"]}),
+        "cluster.layers[1]",
+        "'15_29' is not a",
     )
 
 
 def test_layers_with_a_gap(tmp_path: Path) -> None:
-    _refused(tmp_path, _toml({"layers": ["0-14", "16-29"]}), "cluster.layers", "layer 15 between")
+    refused(
+        tmp_path, cluster_toml({"layers": ["0-14", "16-29"]}), "cluster.layers", "layer 15 between"
+    )
 
 
 def test_layers_must_start_at_zero(tmp_path: Path) -> None:
-    _refused(tmp_path, _toml({"layers": ["1-14", "15-29"]}), "cluster.layers", "start at layer 0")
+    refused(
+        tmp_path, cluster_toml({"layers": ["1-14", "15-29"]}), "cluster.layers", "start at layer 0"
+    )
 
 
 def test_layers_overlap(tmp_path: Path) -> None:
-    _refused(tmp_path, _toml({"layers": ["0-15", "15-29"]}), "cluster.layers", "overlap")
+    refused(tmp_path, cluster_toml({"layers": ["0-15", "15-29"]}), "cluster.layers", "overlap")
 
 
 def test_layers_must_not_be_empty(tmp_path: Path) -> None:
-    _refused(tmp_path, _toml({"layers": []}), "cluster.layers", "must not be empty")
+    refused(tmp_path, cluster_toml({"layers": []}), "cluster.layers", "must not be empty")
 
 
 def test_layer_plan_uses_layers_or_an_even_split() -> None:
-    explicit = parse_cluster_config(_toml({"layers": ["0-9", "10-29"]}), "t")
+    explicit = parse_cluster_config(cluster_toml({"layers": ["0-9", "10-29"]}), "t")
     assert explicit.layer_plan(30) == (LayerRange(0, 10), LayerRange(10, 30))
-    even = parse_cluster_config(_toml(), "t")
+    even = parse_cluster_config(cluster_toml(), "t")
     assert even.layer_plan(30) == (LayerRange(0, 15), LayerRange(15, 30))
 
 
 def test_layer_plan_checks_the_model_layer_count() -> None:
-    cfg = parse_cluster_config(_toml({"layers": ["0-9", "10-29"]}), "t")
+    cfg = parse_cluster_config(cluster_toml({"layers": ["0-9", "10-29"]}), "t")
     with pytest.raises(ConfigurationError, match="the model has 24 layers") as info:
         cfg.layer_plan(24)
     assert info.value.key == "cluster.layers"
@@ -509,18 +464,18 @@ def test_layer_plan_checks_the_model_layer_count() -> None:
 
 @pytest.mark.parametrize("bad_id", ["", "has space", "a/b", "é"])
 def test_node_id_characters(tmp_path: Path, bad_id: str) -> None:
-    _refused(
+    refused(
         tmp_path,
-        _toml(nodes=_with(_STAGES_2, 1, id=bad_id)),
+        cluster_toml(nodes=_with(STAGES_2, 1, id=bad_id)),
         "nodes[1].id",
         "letters, digits, '.', '_' and '-'",
     )
 
 
 def test_node_ids_are_unique(tmp_path: Path) -> None:
-    _refused(
+    refused(
         tmp_path,
-        _toml(nodes=_with(_STAGES_2, 2, id="a")),
+        cluster_toml(nodes=_with(STAGES_2, 2, id="a")),
         "nodes[2].id",
         "node id 'a' is used by nodes[1] and nodes[2]",
         "give each node a unique id",
@@ -528,9 +483,9 @@ def test_node_ids_are_unique(tmp_path: Path) -> None:
 
 
 def test_node_addresses_are_unique(tmp_path: Path) -> None:
-    _refused(
+    refused(
         tmp_path,
-        _toml(nodes=_with(_STAGES_2, 2, address="10.0.0.2:19001")),
+        cluster_toml(nodes=_with(STAGES_2, 2, address="10.0.0.2:19001")),
         "nodes[2].address",
         "address '10.0.0.2:19001' is used by nodes 'a' and 'b'",
         "its own host:port",
@@ -538,8 +493,8 @@ def test_node_addresses_are_unique(tmp_path: Path) -> None:
 
 
 def test_hostnames_compare_case_insensitively(tmp_path: Path) -> None:
-    nodes = _with(_with(_STAGES_2, 1, address="Studio.local:1"), 2, address="studio.LOCAL:1")
-    _refused(tmp_path, _toml(nodes=nodes), "nodes[2].address", "is used by nodes")
+    nodes = _with(_with(STAGES_2, 1, address="Studio.local:1"), 2, address="studio.LOCAL:1")
+    refused(tmp_path, cluster_toml(nodes=nodes), "nodes[2].address", "is used by nodes")
 
 
 @pytest.mark.parametrize(
@@ -561,8 +516,11 @@ def test_hostnames_compare_case_insensitively(tmp_path: Path) -> None:
     ],
 )
 def test_bad_addresses(tmp_path: Path, address: str, fragment: str) -> None:
-    message = _refused(
-        tmp_path, _toml(nodes=_with(_STAGES_2, 1, address=address)), "nodes[1].address", fragment
+    message = refused(
+        tmp_path,
+        cluster_toml(nodes=_with(STAGES_2, 1, address=address)),
+        "nodes[1].address",
+        fragment,
     )
     if "form" in fragment or "no port" in fragment or "no host" in fragment:
         assert "'host:port'" in message
@@ -579,16 +537,16 @@ def test_bad_addresses(tmp_path: Path, address: str, fragment: str) -> None:
 )
 def test_good_addresses(address: str, host: str, port: int) -> None:
     assert parse_address(address) == (host, port)
-    parse_cluster_config(_toml(nodes=_with(_STAGES_2, 1, address=address)), "t")
+    parse_cluster_config(cluster_toml(nodes=_with(STAGES_2, 1, address=address)), "t")
 
 
 # -- nodes: the coordinator ------------------------------------------------------------------
 
 
 def test_exactly_one_coordinator_is_required(tmp_path: Path) -> None:
-    _refused(
+    refused(
         tmp_path,
-        _toml(nodes=_STAGES_2[1:]),
+        cluster_toml(nodes=STAGES_2[1:]),
         "nodes",
         "no node has role 'hybrid'",
         'add one coordinator node with role = "hybrid"',
@@ -597,9 +555,9 @@ def test_exactly_one_coordinator_is_required(tmp_path: Path) -> None:
 
 def test_two_coordinators_are_refused(tmp_path: Path) -> None:
     extra = {"id": "coord2", "address": "10.0.0.9:19000", "role": "coordinator"}
-    _refused(
+    refused(
         tmp_path,
-        _toml(nodes=[*_STAGES_2, extra]),
+        cluster_toml(nodes=[*STAGES_2, extra]),
         "nodes[3].role",
         "nodes 'coord' and 'coord2' both have role 'hybrid'",
         "exactly one coordinator",
@@ -608,9 +566,9 @@ def test_two_coordinators_are_refused(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("key", ["stage", "rank"])
 def test_coordinator_has_no_stage_or_rank(tmp_path: Path, key: str) -> None:
-    _refused(
+    refused(
         tmp_path,
-        _toml(nodes=_with(_STAGES_2, 0, **{key: 0})),
+        cluster_toml(nodes=_with(STAGES_2, 0, **{key: 0})),
         f"nodes[0].{key}",
         "the coordinator 'coord' runs no stage",
         f"remove its {key} key",
@@ -621,9 +579,9 @@ def test_coordinator_has_no_stage_or_rank(tmp_path: Path, key: str) -> None:
 
 
 def test_stage_node_needs_a_stage(tmp_path: Path) -> None:
-    _refused(
+    refused(
         tmp_path,
-        _toml(nodes=_with(_STAGES_2, 1, stage=None)),
+        cluster_toml(nodes=_with(STAGES_2, 1, stage=None)),
         "nodes[1].stage",
         "node 'a' has no stage",
         "set stage to one of 0..1",
@@ -631,9 +589,9 @@ def test_stage_node_needs_a_stage(tmp_path: Path) -> None:
 
 
 def test_stage_must_be_below_pipeline_parallel_size(tmp_path: Path) -> None:
-    _refused(
+    refused(
         tmp_path,
-        _toml(nodes=_with(_STAGES_2, 2, stage=2)),
+        cluster_toml(nodes=_with(STAGES_2, 2, stage=2)),
         "nodes[2].stage",
         "stage 2 but pipeline_parallel_size is 2",
         "use a stage from 0 to 1",
@@ -641,13 +599,15 @@ def test_stage_must_be_below_pipeline_parallel_size(tmp_path: Path) -> None:
 
 
 def test_stage_must_not_be_negative(tmp_path: Path) -> None:
-    _refused(tmp_path, _toml(nodes=_with(_STAGES_2, 1, stage=-1)), "nodes[1].stage", "at least 0")
+    refused(
+        tmp_path, cluster_toml(nodes=_with(STAGES_2, 1, stage=-1)), "nodes[1].stage", "at least 0"
+    )
 
 
 def test_each_stage_exactly_once(tmp_path: Path) -> None:
-    _refused(
+    refused(
         tmp_path,
-        _toml(nodes=_with(_STAGES_2, 2, stage=0)),
+        cluster_toml(nodes=_with(STAGES_2, 2, stage=0)),
         "nodes[2].stage",
         "stage 0 appears on nodes 'a' and 'b'",
         "give each stage exactly one node",
@@ -655,9 +615,9 @@ def test_each_stage_exactly_once(tmp_path: Path) -> None:
 
 
 def test_every_stage_has_a_node(tmp_path: Path) -> None:
-    _refused(
+    refused(
         tmp_path,
-        _toml({"pipeline_parallel_size": 4}),
+        cluster_toml({"pipeline_parallel_size": 4}),
         "nodes",
         "stages 2, 3 have no node",
         "(line 5)",
@@ -666,9 +626,9 @@ def test_every_stage_has_a_node(tmp_path: Path) -> None:
 
 
 def test_pipeline_stage_cannot_claim_a_rank(tmp_path: Path) -> None:
-    _refused(
+    refused(
         tmp_path,
-        _toml(nodes=_with(_STAGES_2, 1, rank=0)),
+        cluster_toml(nodes=_with(STAGES_2, 1, rank=0)),
         "nodes[1].rank",
         "no tensor-parallel rank",
         "remove rank",
@@ -679,8 +639,8 @@ def test_pipeline_stage_cannot_claim_a_rank(tmp_path: Path) -> None:
 
 
 def test_standby_nodes_are_read_in_file_order_and_serve_no_stage() -> None:
-    nodes = [_standby("spare-b", 8), *_STAGES_2, _standby("spare-a", 9)]
-    cfg = parse_cluster_config(_toml(nodes=nodes), "t")
+    nodes = [_standby("spare-b", 8), *STAGES_2, _standby("spare-a", 9)]
+    cfg = parse_cluster_config(cluster_toml(nodes=nodes), "t")
     assert [n.id for n in cfg.standby_nodes()] == ["spare-b", "spare-a"]
     assert [n.id for n in cfg.stage_nodes()] == ["a", "b"]
     assert [n.id for n in cfg.nodes_at_rank(0)] == ["a", "b"]
@@ -692,11 +652,11 @@ def test_standby_nodes_are_read_in_file_order_and_serve_no_stage() -> None:
 
 def test_standbys_are_not_counted_in_pipeline_parallel_size(tmp_path: Path) -> None:
     # Two stages plus a standby is a complete two-stage cluster, not three stages...
-    parse_cluster_config(_toml(nodes=[*_STAGES_2, _standby()]), "t")
+    parse_cluster_config(cluster_toml(nodes=[*STAGES_2, _standby()]), "t")
     # ...and a standby does not fill a missing stage.
-    _refused(
+    refused(
         tmp_path,
-        _toml(nodes=[*_STAGES_2[:2], _standby()]),
+        cluster_toml(nodes=[*STAGES_2[:2], _standby()]),
         "nodes",
         "stage 1 has no node",
     )
@@ -704,9 +664,9 @@ def test_standbys_are_not_counted_in_pipeline_parallel_size(tmp_path: Path) -> N
 
 @pytest.mark.parametrize("key", ["stage", "rank"])
 def test_a_standby_has_no_stage_or_rank(tmp_path: Path, key: str) -> None:
-    _refused(
+    refused(
         tmp_path,
-        _toml(nodes=[*_STAGES_2, {**_standby(), key: 0}]),
+        cluster_toml(nodes=[*STAGES_2, {**_standby(), key: 0}]),
         f"nodes[3].{key}",
         "node 'spare' is a standby, which serves no stage of its own until the coordinator "
         "gives it a lost stage's layers",
@@ -715,26 +675,32 @@ def test_a_standby_has_no_stage_or_rank(tmp_path: Path, key: str) -> None:
 
 
 def test_a_standby_needs_its_own_id_and_address(tmp_path: Path) -> None:
-    _refused(
+    refused(
         tmp_path,
-        _toml(nodes=[*_STAGES_2, _standby(host=2)]),
+        cluster_toml(nodes=[*STAGES_2, _standby(host=2)]),
         "nodes[3].address",
         "address '10.0.0.2:19001' is used by nodes 'a' and 'spare'",
     )
-    _refused(
-        tmp_path, _toml(nodes=[*_STAGES_2, _standby("a")]), "nodes[3].id", "node id 'a' is used"
+    refused(
+        tmp_path,
+        cluster_toml(nodes=[*STAGES_2, _standby("a")]),
+        "nodes[3].id",
+        "node id 'a' is used",
     )
 
 
 def test_a_cluster_of_a_coordinator_and_standbys_only_is_refused(tmp_path: Path) -> None:
-    _refused(
-        tmp_path, _toml(nodes=[COORD, _standby("x", 8), _standby("y", 9)]), "nodes", "have no node"
+    refused(
+        tmp_path,
+        cluster_toml(nodes=[COORD, _standby("x", 8), _standby("y", 9)]),
+        "nodes",
+        "have no node",
     )
 
 
 def test_standbys_render_last_in_file_order() -> None:
-    nodes = [_standby("z-spare", 8), *reversed(_STAGES_2), _standby("a-spare", 9)]
-    text = render_cluster_toml(parse_cluster_config(_toml(nodes=nodes), "t"))
+    nodes = [_standby("z-spare", 8), *reversed(STAGES_2), _standby("a-spare", 9)]
+    text = render_cluster_toml(parse_cluster_config(cluster_toml(nodes=nodes), "t"))
     assert text.endswith(
         '[[nodes]]\nid = "b"\naddress = "10.0.0.3:19001"\nrole = "pipeline_stage"\nstage = 1\n'
         '\n[[nodes]]\nid = "z-spare"\naddress = "10.0.0.8:19001"\nrole = "standby"\n'
@@ -747,9 +713,9 @@ def test_standbys_render_last_in_file_order() -> None:
 
 
 def test_2d_role_needs_tensor_parallelism(tmp_path: Path) -> None:
-    _refused(
+    refused(
         tmp_path,
-        _toml(nodes=_grid(2, 1)),
+        cluster_toml(nodes=grid_nodes(2, 1)),
         "nodes[1].role",
         "role 'pipeline_tensor_parallel' but tensor_parallel_size is 1",
         "set cluster.tensor_parallel_size above 1 or use role 'pipeline_stage'",
@@ -757,10 +723,10 @@ def test_2d_role_needs_tensor_parallelism(tmp_path: Path) -> None:
 
 
 def test_2d_cluster_cannot_mix_in_pipeline_stage_nodes(tmp_path: Path) -> None:
-    nodes = _with(_grid(), 3, role="pipeline_stage", rank=None)
-    _refused(
+    nodes = _with(grid_nodes(), 3, role="pipeline_stage", rank=None)
+    refused(
         tmp_path,
-        _toml({"tensor_parallel_size": 2}, nodes),
+        cluster_toml({"tensor_parallel_size": 2}, nodes),
         "nodes[3].role",
         "role 'pipeline_stage' but tensor_parallel_size is 2",
         "every stage node has role 'pipeline_tensor_parallel'",
@@ -768,9 +734,9 @@ def test_2d_cluster_cannot_mix_in_pipeline_stage_nodes(tmp_path: Path) -> None:
 
 
 def test_2d_node_needs_a_rank(tmp_path: Path) -> None:
-    _refused(
+    refused(
         tmp_path,
-        _toml({"tensor_parallel_size": 2}, _with(_grid(), 2, rank=None)),
+        cluster_toml({"tensor_parallel_size": 2}, _with(grid_nodes(), 2, rank=None)),
         "nodes[2].rank",
         "node 's0-r1' has no rank",
         "set rank to one of 0..1",
@@ -778,18 +744,18 @@ def test_2d_node_needs_a_rank(tmp_path: Path) -> None:
 
 
 def test_2d_node_needs_a_stage(tmp_path: Path) -> None:
-    _refused(
+    refused(
         tmp_path,
-        _toml({"tensor_parallel_size": 2}, _with(_grid(), 2, stage=None)),
+        cluster_toml({"tensor_parallel_size": 2}, _with(grid_nodes(), 2, stage=None)),
         "nodes[2].stage",
         "has no stage",
     )
 
 
 def test_rank_must_be_below_tensor_parallel_size(tmp_path: Path) -> None:
-    _refused(
+    refused(
         tmp_path,
-        _toml({"tensor_parallel_size": 2}, _with(_grid(), 2, rank=2)),
+        cluster_toml({"tensor_parallel_size": 2}, _with(grid_nodes(), 2, rank=2)),
         "nodes[2].rank",
         "rank 2 but tensor_parallel_size is 2",
         "use a rank from 0 to 1",
@@ -797,18 +763,18 @@ def test_rank_must_be_below_tensor_parallel_size(tmp_path: Path) -> None:
 
 
 def test_2d_stage_must_be_below_pipeline_parallel_size(tmp_path: Path) -> None:
-    _refused(
+    refused(
         tmp_path,
-        _toml({"tensor_parallel_size": 2}, _with(_grid(), 4, stage=2)),
+        cluster_toml({"tensor_parallel_size": 2}, _with(grid_nodes(), 4, stage=2)),
         "nodes[4].stage",
         "stage 2 but pipeline_parallel_size is 2",
     )
 
 
 def test_each_grid_cell_exactly_once(tmp_path: Path) -> None:
-    _refused(
+    refused(
         tmp_path,
-        _toml({"tensor_parallel_size": 2}, _with(_grid(), 4, rank=0)),
+        cluster_toml({"tensor_parallel_size": 2}, _with(grid_nodes(), 4, rank=0)),
         "nodes[4].rank",
         "(stage 1, rank 0) appears on nodes 's1-r0' and 's1-r1'",
         "give each (stage, rank) pair exactly one node",
@@ -816,9 +782,9 @@ def test_each_grid_cell_exactly_once(tmp_path: Path) -> None:
 
 
 def test_grid_needs_pp_times_tp_nodes(tmp_path: Path) -> None:
-    _refused(
+    refused(
         tmp_path,
-        _toml({"tensor_parallel_size": 2}, _grid()[:-1]),
+        cluster_toml({"tensor_parallel_size": 2}, grid_nodes()[:-1]),
         "nodes",
         "3 'pipeline_tensor_parallel' nodes but pipeline_parallel_size x tensor_parallel_size = 4",
         "add nodes for (stage 1, rank 1)",
@@ -827,7 +793,8 @@ def test_grid_needs_pp_times_tp_nodes(tmp_path: Path) -> None:
 
 def test_3x2_grid() -> None:
     cfg = parse_cluster_config(
-        _toml({"pipeline_parallel_size": 3, "tensor_parallel_size": 2}, _grid(3, 2)), "t"
+        cluster_toml({"pipeline_parallel_size": 3, "tensor_parallel_size": 2}, grid_nodes(3, 2)),
+        "t",
     )
     assert len(cfg.stage_nodes()) == 6
     assert [n.id for n in cfg.nodes_at_rank(0)] == ["s0-r0", "s1-r0", "s2-r0"]
@@ -837,11 +804,11 @@ def test_3x2_grid() -> None:
 
 
 def test_unknown_node_key_suggests_the_right_one(tmp_path: Path) -> None:
-    nodes = [dict(n) for n in _STAGES_2]
+    nodes = [dict(n) for n in STAGES_2]
     nodes[1]["adress"] = nodes[1].pop("address")
-    message = _refused(
+    message = refused(
         tmp_path,
-        _toml(nodes=nodes),
+        cluster_toml(nodes=nodes),
         "nodes[1].adress",
         "unknown key 'adress'; did you mean 'address'?",
     )
@@ -850,59 +817,59 @@ def test_unknown_node_key_suggests_the_right_one(tmp_path: Path) -> None:
 
 
 def test_unknown_key_reports_its_line(tmp_path: Path) -> None:
-    nodes = _with(_STAGES_2, 2, adress="x")
-    text = _toml(nodes=nodes)
+    nodes = _with(STAGES_2, 2, adress="x")
+    text = cluster_toml(nodes=nodes)
     line = text.splitlines().index('adress = "x"') + 1
-    _refused(tmp_path, text, "nodes[2].adress", f"(line {line})")
+    refused(tmp_path, text, "nodes[2].adress", f"(line {line})")
 
 
 def test_unknown_elastic_key(tmp_path: Path) -> None:
-    _refused(
+    refused(
         tmp_path,
-        _toml({"elastic": {"drain_timeout": 5}}),
+        cluster_toml({"elastic": {"drain_timeout": 5}}),
         "cluster.elastic.drain_timeout",
         "did you mean 'drain_timeout_s'?",
     )
 
 
 def test_unknown_cluster_key(tmp_path: Path) -> None:
-    _refused(
+    refused(
         tmp_path,
-        _toml({"pp_size": 2}),
+        cluster_toml({"pp_size": 2}),
         "cluster.pp_size",
         "unknown key 'pp_size'",
     )
 
 
 def test_unknown_key_without_a_close_match_lists_the_known_keys(tmp_path: Path) -> None:
-    _refused(
+    refused(
         tmp_path,
-        _toml({"elastic": {"zzz": 1}}),
+        cluster_toml({"elastic": {"zzz": 1}}),
         "cluster.elastic.zzz",
         "known keys: enabled, drain_timeout_s, pressure_fraction, cool_down_s",
     )
 
 
 def test_misspelt_top_level_table(tmp_path: Path) -> None:
-    text = _toml().replace("[cluster]", "[clustr]")
-    _refused(tmp_path, text, "clustr", "did you mean 'cluster'?", "(line 1)")
+    text = cluster_toml().replace("[cluster]", "[clustr]")
+    refused(tmp_path, text, "clustr", "did you mean 'cluster'?", "(line 1)")
 
 
 def test_missing_node_key_points_at_its_table(tmp_path: Path) -> None:
-    text = _toml(nodes=_with(_STAGES_2, 2, address=None))
+    text = cluster_toml(nodes=_with(STAGES_2, 2, address=None))
     line = [i for i, t in enumerate(text.splitlines(), 1) if t == "[[nodes]]"][2]
-    _refused(tmp_path, text, "nodes[2].address", "required key missing", f"(line {line})")
+    refused(tmp_path, text, "nodes[2].address", "required key missing", f"(line {line})")
 
 
 def test_invariant_error_reports_the_key_line(tmp_path: Path) -> None:
-    text = _toml(nodes=_with(_STAGES_2, 2, stage=0))
+    text = cluster_toml(nodes=_with(STAGES_2, 2, stage=0))
     line = [i for i, t in enumerate(text.splitlines(), 1) if t == "stage = 0"][1]
-    _refused(tmp_path, text, "nodes[2].stage", f"(line {line})")
+    refused(tmp_path, text, "nodes[2].stage", f"(line {line})")
 
 
 def test_several_problems_come_in_one_error(tmp_path: Path) -> None:
-    nodes = _with(_with(_STAGES_2, 1, address="10.0.0.2:0"), 2, adress="x")
-    message = _refused(tmp_path, _toml(nodes=nodes), "nodes[2].adress", "did you mean")
+    nodes = _with(_with(STAGES_2, 1, address="10.0.0.2:0"), 2, adress="x")
+    message = refused(tmp_path, cluster_toml(nodes=nodes), "nodes[2].adress", "did you mean")
     assert "also nodes[1].address: port '0' in address '10.0.0.2:0' must be" in message
 
 
@@ -910,8 +877,8 @@ def test_several_problems_come_in_one_error(tmp_path: Path) -> None:
 
 
 def test_toml_syntax_error_names_file_and_line(tmp_path: Path) -> None:
-    text = _toml().replace('name = "test"', "name = test")
-    message = _refused(tmp_path, text, None, "not valid TOML", "at line 2", "fix the syntax")
+    text = cluster_toml().replace('name = "test"', "name = test")
+    message = refused(tmp_path, text, None, "not valid TOML", "at line 2", "fix the syntax")
     assert "cluster.toml" in message
 
 
@@ -931,7 +898,9 @@ def test_non_utf8_file(tmp_path: Path) -> None:
 
 def test_parse_names_the_given_source() -> None:
     with pytest.raises(ConfigurationError) as info:
-        parse_cluster_config(_toml({"pipeline_parallel_size": 1}), "--distributed-config x.toml")
+        parse_cluster_config(
+            cluster_toml({"pipeline_parallel_size": 1}), "--distributed-config x.toml"
+        )
     assert str(info.value).startswith("--distributed-config x.toml: cluster.pipeline_parallel_size")
 
 
@@ -965,7 +934,7 @@ def test_schema_documents_every_field() -> None:
 
 
 def test_render_layout() -> None:
-    cfg = parse_cluster_config(_toml({"layers": ["0-9", "10-29"], "secret_file": "s"}), "t")
+    cfg = parse_cluster_config(cluster_toml({"layers": ["0-9", "10-29"], "secret_file": "s"}), "t")
     assert render_cluster_toml(cfg) == (
         CLUSTER_TOML_HEADER + "\n" + "[cluster]\n"
         'name = "test"\n'
@@ -1015,7 +984,7 @@ def test_header_is_static() -> None:
 
 def test_strings_with_quotes_and_control_characters_survive() -> None:
     secret = 'dir "x"\\y\tz\x01\x7f\u00e9'
-    cfg = parse_cluster_config(_toml({"secret_file": secret}), "t")
+    cfg = parse_cluster_config(cluster_toml({"secret_file": secret}), "t")
     text = render_cluster_toml(cfg)
     assert parse_cluster_config(text, "t").cluster.secret_file == secret
 
@@ -1121,8 +1090,8 @@ def test_cluster_section_rejects_unknown_keys_in_python_too() -> None:
 
 
 def test_each_rank_joins_its_ring_on_the_port_after_its_address_unless_told() -> None:
-    nodes = _with(_grid(), 2, tp_address="10.9.0.1:7000")
-    cfg = parse_cluster_config(_toml({"tensor_parallel_size": 2}, nodes), "t")
+    nodes = _with(grid_nodes(), 2, tp_address="10.9.0.1:7000")
+    cfg = parse_cluster_config(cluster_toml({"tensor_parallel_size": 2}, nodes), "t")
     assert [n.ring_address for n in cfg.nodes_at_stage(0)] == ["10.0.1.1:8081", "10.9.0.1:7000"]
     # The pipeline talks to rank 0 of each stage only.
     assert [n.id for n in cfg.pipeline_nodes()] == ["s0-r0", "s1-r0"]
@@ -1131,10 +1100,10 @@ def test_each_rank_joins_its_ring_on_the_port_after_its_address_unless_told() ->
 
 def test_a_ring_address_taken_by_another_node_is_refused(tmp_path: Path) -> None:
     # s0-r1's ring would default to s0-r0's host and port + 1, where s0-r1 itself listens.
-    nodes = _with(_grid(), 2, address="10.0.1.1:8081")
-    _refused(
+    nodes = _with(grid_nodes(), 2, address="10.0.1.1:8081")
+    refused(
         tmp_path,
-        _toml({"tensor_parallel_size": 2}, nodes),
+        cluster_toml({"tensor_parallel_size": 2}, nodes),
         "nodes[1].tp_address",
         "node 's0-r0' would join its tensor-parallel ring on 10.0.1.1:8081",
         "which node 's0-r1' uses already; set tp_address to a free host:port",
@@ -1142,9 +1111,9 @@ def test_a_ring_address_taken_by_another_node_is_refused(tmp_path: Path) -> None
 
 
 def test_tp_address_belongs_to_2d_nodes_only(tmp_path: Path) -> None:
-    _refused(
+    refused(
         tmp_path,
-        _toml(nodes=_with(_STAGES_2, 1, tp_address="10.0.0.2:7000")),
+        cluster_toml(nodes=_with(STAGES_2, 1, tp_address="10.0.0.2:7000")),
         "nodes[1].tp_address",
         "joins no tensor-parallel ring; remove tp_address",
     )

@@ -25,8 +25,8 @@ from mlxppd.core.layer_ranges import LayerRange
 from mlxppd.core.profile.model import profile_from_config, read_model_config
 from mlxppd.core.stages import StageSpec
 from mlxppd.engine.stage import load_stage
-from tests.core.test_agent_plan import STAGE, running, stage_node
-from tests.core.test_cluster_config import _load, _refused, _toml
+from tests.support.agent_states import STAGE, running, stage_node
+from tests.support.cluster_toml import cluster_toml, load_text, refused
 
 CPU_FAST = ComputeHost(cpu_only=True, optimized_blas=True, available_bytes=16 << 30)
 GIB = 1 << 30
@@ -106,9 +106,10 @@ def test_a_float32_repartition_keeps_the_layers_it_retains(embedded_model_dir: P
 
 
 def test_the_cluster_toml_takes_cpu_weights_and_names_a_bad_value(tmp_path: Path) -> None:
-    assert _load(tmp_path, _toml()).cluster.cpu_weights is CpuWeights.AUTO
-    assert _load(tmp_path, _toml({"cpu_weights": "native"})).cluster.cpu_weights == "native"
-    _refused(tmp_path, _toml({"cpu_weights": "fast"}), "cluster.cpu_weights", "float32")
+    assert load_text(tmp_path, cluster_toml()).cluster.cpu_weights is CpuWeights.AUTO
+    native = load_text(tmp_path, cluster_toml({"cpu_weights": "native"}))
+    assert native.cluster.cpu_weights == "native"
+    refused(tmp_path, cluster_toml({"cpu_weights": "fast"}), "cluster.cpu_weights", "float32")
 
 
 def test_a_new_weight_mode_reloads_the_stage() -> None:

@@ -21,8 +21,8 @@ from mlxppd.core.profile.model import (
     profiled_model_types,
     read_model_config,
 )
-from tests.core.test_model_profile_cases import CASES
-from tests.core.test_partition import GEMMA4_E2B, LLAMA_8B_4BIT
+from tests.support.checkpoint_configs import GEMMA4_E2B, LLAMA_8B_4BIT
+from tests.support.profile_cases import CASES
 
 GiB = 2**30
 
@@ -121,7 +121,7 @@ def test_jamba_marks_attention_and_moe_blocks_by_period_and_offset() -> None:
     assert profile.layer_kinds == ("mamba+mlp", "attention+moe") * 4
 
 
-def test_nemotron_h_reads_its_hybrid_pattern() -> None:
+def test_nemotron_h_reads_its_hybrid_override_pattern() -> None:
     profile = profile_from_config(CASES["nemotron_h-4bit"][0])
     assert profile.layer_kinds == ("mamba2", "attention", "mlp", "moe", "mamba2")
     listed = {**CASES["nemotron_h-4bit"][0], "hybrid_override_pattern": None}
@@ -129,7 +129,7 @@ def test_nemotron_h_reads_its_hybrid_pattern() -> None:
     assert profile_from_config(listed).layer_bytes == profile.layer_bytes
 
 
-def test_qwen3_next_hybrid_blocks() -> None:
+def test_qwen3_next_recurrent_and_attention_blocks() -> None:
     profile = profile_from_config(CASES["qwen3_next-4bit"][0])
     # full_attention_interval 2; layer 1 is in mlp_only_layers
     assert profile.layer_kinds == (

@@ -16,7 +16,7 @@ from mlxppd.core.partition.plan import PartitionPlan, balance_layers
 from mlxppd.core.profile.model import profile_from_config, profile_tensors, read_model_config
 from mlxppd.core.stages import stage_specs
 from mlxppd.engine.stage import load_stage
-from tests.core.test_model_profile_cases import CASES, built_tensors, layer_of
+from tests.support.profile_cases import CASES, built_tensors, layer_of
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import combinations, pairwise
-from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -22,27 +21,10 @@ from mlxppd.core.partition.plan import (
     plan_layers,
 )
 from mlxppd.core.profile.model import ModelProfile, profile_from_config
+from tests.support.checkpoint_configs import GEMMA4_E2B, LLAMA_8B_4BIT
+from tests.support.synthetic_profiles import synthetic
 
 GiB = 2**30
-
-
-def synthetic(
-    weights: Sequence[int],
-    embedding: int = 0,
-    lm_head: int = 0,
-    shared: int = 0,
-    groups: Sequence[AdjacencyGroup] = (),
-) -> ModelProfile:
-    return ModelProfile(
-        model_type="synthetic",
-        family="synthetic",
-        layer_bytes=tuple(weights),
-        layer_kinds=("block",) * len(weights),
-        embedding_bytes=embedding,
-        lm_head_bytes=lm_head,
-        shared_end_bytes=shared,
-        adjacency_groups=tuple(groups),
-    )
 
 
 def brute_force(
@@ -140,20 +122,6 @@ def test_moe_blocks_are_spread_by_bytes_not_by_count() -> None:
 
 # -- heterogeneous budgets -------------------------------------------------------------------
 
-LLAMA_8B_4BIT: dict[str, Any] = {
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "num_hidden_layers": 32,
-    "intermediate_size": 14336,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "vocab_size": 128256,
-    "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-    "quantization": {"group_size": 64, "bits": 4},
-}
-
 
 def test_a_memory_constrained_stage_gets_fewer_layers() -> None:
     profile = profile_from_config(LLAMA_8B_4BIT)
@@ -205,30 +173,6 @@ def test_groups_limit_the_stage_count() -> None:
 
 
 # -- adjacency groups: the Gemma 4 e2b case --------------------------------------------------
-
-GEMMA4_E2B: dict[str, Any] = {
-    "model_type": "gemma4",
-    "vocab_size": 262144,
-    "text_config": {
-        "model_type": "gemma4_text",
-        "hidden_size": 1536,
-        "num_hidden_layers": 35,
-        "intermediate_size": 6144,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 1,
-        "head_dim": 256,
-        "global_head_dim": 512,
-        "num_kv_shared_layers": 20,
-        "hidden_size_per_layer_input": 256,
-        "vocab_size_per_layer_input": 262144,
-        "use_double_wide_mlp": True,
-        "sliding_window": 512,
-        "layer_types": (["sliding_attention"] * 4 + ["full_attention"]) * 7,
-        "tie_word_embeddings": True,
-    },
-    "quantization": {"group_size": 64, "bits": 4},
-    "torch_dtype": "bfloat16",
-}
 
 
 def test_gemma4_e2b_auto_plan_cuts_no_kv_sharing_group() -> None:

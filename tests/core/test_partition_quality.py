@@ -7,7 +7,7 @@ import pytest
 from mlxppd.core.layer_ranges import AdjacencyGroup, LayerRange
 from mlxppd.core.partition.plan import balance_layers
 from mlxppd.core.partition.quality import PartitionQualityReport, StageQuality, quality_report
-from tests.core.test_partition import synthetic
+from tests.support.synthetic_profiles import synthetic
 
 SPEC_EXAMPLE = PartitionQualityReport(
     stages=(

@@ -48,10 +48,9 @@ from mlxppd.engine.stage import LoadedStage, load_stage
 from mlxppd.engine.stage_digest import stage_identity
 from mlxppd.engine.stage_runner import StageRunner
 from mlxppd.runtime.coordinator.identity_check import IdentityReference
-from tests.engine.test_family_parity import ALL_CASES, PROMPT
-from tests.engine.test_single_process_families import KIMI_K3
 from tests.support.adapters import as_peft
-from tests.support.family_cases import CASES
+from tests.support.all_families import ALL_CASES, PROMPT
+from tests.support.family_cases import CASES, KIMI_K3
 from tests.support.references import load_reference_model, served_weights
 
 N_TOKENS = 12

@@ -22,17 +22,9 @@ from mlxppd.engine.families import family_for, supported_families, wire_family
 from mlxppd.engine.families.base import layer_index
 from mlxppd.engine.pipeline import InProcessPipeline
 from mlxppd.engine.stage import LoadedStage, load_stage
-from tests.support.family_cases import CASES, _resolve_text_configs
+from tests.support.all_families import ALL_CASES, PROMPT
 from tests.support.references import held_as
 
-try:  # the hybrid/Gemma 4 cases are written separately
-    from tests.support.family_cases_hybrid import CASES as HYBRID_CASES
-except ImportError:  # pragma: no cover
-    HYBRID_CASES = {}
-
-ALL_CASES = {**CASES, **HYBRID_CASES}
-_resolve_text_configs(ALL_CASES, ALL_CASES)
-PROMPT = [(11 * i + 5) % 200 + 3 for i in range(40)]
 N_TOKENS = 24
 
 

@@ -1,4 +1,4 @@
-"""Split rules of the hybrid / Gemma 4 families: what a stage boundary may and may not cut."""
+"""Split rules of the recurrent / Gemma 4 families: what a stage boundary may and may not cut."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from mlxppd.core.stages import stage_specs
 from mlxppd.engine.families import family_for, wire_family
 from mlxppd.engine.families.gemma4 import kv_sources
 from mlxppd.engine.stage import load_stage
-from tests.support.family_cases_hybrid import CASES
+from tests.support.family_cases_boundaries import CASES
 
 # gemma-4-e2b's shape: 35 blocks, the last 20 KV-shared, four sliding blocks then one full;
 # so 15..34 read the K/V of 13 (sliding) or 14 (full).
@@ -76,7 +76,7 @@ def test_gemma4_stage_load_refuses_the_split(tiny_model: Callable[..., Path]) ->
 
 
 @pytest.mark.parametrize("family", ["jamba", "nemotron_h", "qwen3_next", "qwen3_5", "qwen3_5_moe"])
-def test_hybrids_accept_every_block_boundary(family: str) -> None:
+def test_recurrent_families_accept_every_block_boundary(family: str) -> None:
     # SSM state lives inside a block, so any boundary between two blocks is a valid split.
     config = CASES[family][0]
     n = family_for(config).num_layers(config)

@@ -6,7 +6,6 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import mlx.core as mx
 import pytest
@@ -18,36 +17,7 @@ from mlxppd.core.stages import StageSpec
 from mlxppd.engine.families import supported_families
 from mlxppd.engine.pipeline import InProcessPipeline
 from mlxppd.engine.stage import load_stage
-
-KIMI_K3: dict[str, Any] = {
-    "model_type": "kimi_k3",
-    "text_config": {
-        "model_type": "kimi_linear",
-        "vocab_size": 256,
-        "hidden_size": 64,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 4,
-        "intermediate_size": 128,
-        # Layers 1 and 3 (1-based) are linear "KDA" attention; the others MLA.
-        "linear_attn_config": {
-            "num_heads": 4,
-            "head_dim": 16,
-            "short_conv_kernel_size": 4,
-            "kda_layers": [1, 3],
-        },
-        "q_lora_rank": 64,
-        "kv_lora_rank": 32,
-        "qk_nope_head_dim": 32,
-        "qk_rope_head_dim": 16,
-        "v_head_dim": 32,
-        "num_experts": 4,
-        "num_experts_per_token": 2,
-        "num_shared_experts": 1,
-        "moe_intermediate_size": 32,
-        "first_k_dense_replace": 1,
-    },
-}
+from tests.support.family_cases import KIMI_K3
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
 import pytest
-from mlx_lm.generate import generate_step
 
 from mlxppd.core.cpu_weights import CpuWeights
 from mlxppd.core.layer_ranges import even_split, parse_pp_layers
@@ -17,19 +15,9 @@ from mlxppd.engine.pipeline import InProcessPipeline
 from mlxppd.engine.stage import load_stage
 from mlxppd.engine.tokenizer import encode_prompt, load_tokenizer
 from tests.conftest import TINY_LLAMA
-from tests.support.references import load_reference_model
+from tests.support.references import reference_tokens
 
 MAX_TOKENS = 40
-
-
-def reference_tokens(
-    model_dir: Path,
-    prompt: list[int],
-    n: int = MAX_TOKENS,
-    weights: CpuWeights = CpuWeights.NATIVE,
-) -> list[int]:
-    model = load_reference_model(model_dir, weights)
-    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
 
 
 def pipeline_tokens(
@@ -52,7 +40,7 @@ def embedded_case(
     weights = request.param
     tokenizer = load_tokenizer(embedded_model_dir)
     prompt = encode_prompt(tokenizer, "Tell me a story about a dragon.", chat_template=True)
-    reference = reference_tokens(embedded_model_dir, prompt, weights=weights)
+    reference = reference_tokens(embedded_model_dir, prompt, MAX_TOKENS, weights)
     # A meaningful comparison needs a long, varied continuation with no early stop.
     assert len(reference) == MAX_TOKENS and len(set(reference)) > 15
     return weights, prompt, reference

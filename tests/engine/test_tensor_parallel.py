@@ -24,11 +24,10 @@ import pytest
 from mlxppd.engine.tensor_parallel import hostfile, tp_address_warning
 from mlxppd.engine.tokenizer import encode_prompt, load_tokenizer
 from mlxppd.runtime.local_cluster import free_port
-from tests.engine.test_stage_parity import reference_tokens
 from tests.support.agents import VENV_BIN
 from tests.support.family_cases import CASES
 from tests.support.paths import REPO_ROOT
-from tests.support.references import served_weights
+from tests.support.references import reference_tokens, served_weights
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,14 @@ are one flag after another, each with its help text, and read best in one place.
 from __future__ import annotations
 
 import ast
+import builtins
+import enum
+import importlib
 from pathlib import Path
+from typing import Any
+
+import pydantic
+import pytest
 
 from tests.support.paths import REPO_ROOT
 
@@ -110,3 +117,76 @@ def test_the_serving_state_changes_in_one_place() -> None:
                 ):
                     writers.append(node.name)
     assert writers == ["__init__", "_serve"]
+
+
+#: where the parts of one object are composed, never mixed in (docs/architecture.md, runtime)
+COMPOSED = ("runtime/stage", "runtime/coordinator")
+
+
+def _resolve(base: ast.expr, namespace: dict[str, Any]) -> Any:
+    """The object a base class expression names in its module (``Generic[T]``: ``Generic``)."""
+    if isinstance(base, ast.Subscript):
+        return _resolve(base.value, namespace)
+    if isinstance(base, ast.Attribute):
+        return getattr(_resolve(base.value, namespace), base.attr, None)
+    if isinstance(base, ast.Name):  # a module's own names, else a builtin's (Exception)
+        return namespace.get(base.id, getattr(builtins, base.id, None))
+    return None
+
+
+def _is_mixin(base: Any, package: str) -> bool:
+    """A class of ``package`` other than an exception, an enum, a pydantic model or a Protocol
+    (an unresolved name counts too: it cannot be shown to be one of those)."""
+    if not isinstance(base, type):
+        return base is None
+    if base.__module__.split(".")[0] != package:
+        return False
+    kinds = (BaseException, enum.Enum, pydantic.BaseModel)
+    return not issubclass(base, kinds) and not getattr(base, "_is_protocol", False)
+
+
+def mixed_in(folders: list[Path], root: Path = REPO_ROOT, package: str = "mlxppd") -> list[str]:
+    """Each class under ``folders`` deriving from a class of ``package`` that is not an
+    exception, enum, pydantic model or Protocol, named with its bases as written."""
+    found = []
+    for path in sorted(p for folder in folders for p in folder.rglob("*.py")):
+        module = importlib.import_module(".".join(path.relative_to(root).with_suffix("").parts))
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef) and any(
+                _is_mixin(_resolve(base, vars(module)), package) for base in node.bases
+            ):
+                bases = ", ".join(ast.unparse(base) for base in node.bases)
+                found.append(f"{path.relative_to(root)}:{node.lineno} {node.name}({bases})")
+    return found
+
+
+def test_the_stage_and_the_coordinator_mix_no_classes_in() -> None:
+    """Their parts are objects given what they need, not base classes of one host."""
+    assert mixed_in([PACKAGE / folder for folder in COMPOSED]) == []
+
+
+def test_the_mixin_check_spares_errors_enums_models_and_protocols(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    package = tmp_path / "shape_probe"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "parts.py").write_text(
+        "import enum, typing\nimport pydantic\n\n"
+        "class Part: ...\nclass Failure(Exception): ...\nclass Kind(enum.Enum): ...\n"
+        "class Model(pydantic.BaseModel): ...\nclass Port(typing.Protocol): ...\n"
+    )
+    (package / "host.py").write_text(
+        "import typing\nfrom shape_probe import parts\nfrom shape_probe.parts import Part\n"
+        "T = typing.TypeVar('T')\n"
+        "class Host(Part, typing.Generic[T]): ...\n"
+        "class Qualified(parts.Part): ...\n"
+        "class Error(parts.Failure): ...\nclass Kinds(parts.Kind): ...\n"
+        "class Reply(parts.Model): ...\nclass Wider(parts.Port, typing.Protocol): ...\n"
+        "class Foreign(dict): ...\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert mixed_in([package], tmp_path, "shape_probe") == [
+        "shape_probe/host.py:5 Host(Part, typing.Generic[T])",
+        "shape_probe/host.py:6 Qualified(parts.Part)",
+    ]

@@ -23,7 +23,7 @@ from mlxppd.core.partition.plan import PartitionPlan, balance_layers, plan_layer
 from mlxppd.core.profile.model import profile_from_config
 from mlxppd.runtime.local_cluster import free_port
 from mlxppd.wire.secret import write_new_secret
-from tests.core.test_partition import synthetic
+from tests.support.synthetic_profiles import synthetic
 
 
 def _plan(stages: int, model_type: str = "llama") -> PartitionPlan:

@@ -1,7 +1,8 @@
 """Tiny random-weight configs, one per family (dense, MoE, MLA, sliding window...).
 
-Each case: (config, quantize_bits or None, splits as --pp-layers strings). Hybrid SSM families
-and Gemma 4 live in ``family_cases_hybrid.py``.
+Each case: (config, quantize_bits or None, splits as --pp-layers strings). The recurrent families
+(SSM / linear-attention blocks beside attention blocks) and Gemma 4 live in
+``family_cases_boundaries.py``.
 """
 
 from __future__ import annotations
@@ -138,8 +139,8 @@ CASES: dict[str, Case] = {
         None,
         ("0-2,3-5", "0-0,1-3,4-5"),
     ),
-    # See tests/support/family_cases_hybrid.py for qwen3_5; this is its VLM checkpoint's text path,
-    # which shares the model_type but advertises its own wire name.
+    # See tests/support/family_cases_boundaries.py for qwen3_5; this is its VLM checkpoint's text
+    # path, which shares the model_type but advertises its own wire name.
     "qwen3_5_vlm": (
         {
             "model_type": "qwen3_5",
@@ -181,8 +182,39 @@ CASES: dict[str, Case] = {
     ),
 }
 
+#: Kimi K3 (KDA linear attention beside MLA): not in ``CASES``, it runs in one process only
+KIMI_K3: dict[str, Any] = {
+    "model_type": "kimi_k3",
+    "text_config": {
+        "model_type": "kimi_linear",
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "intermediate_size": 128,
+        # Layers 1 and 3 (1-based) are linear "KDA" attention; the others MLA.
+        "linear_attn_config": {
+            "num_heads": 4,
+            "head_dim": 16,
+            "short_conv_kernel_size": 4,
+            "kda_layers": [1, 3],
+        },
+        "q_lora_rank": 64,
+        "kv_lora_rank": 32,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 16,
+        "v_head_dim": 32,
+        "num_experts": 4,
+        "num_experts_per_token": 2,
+        "num_shared_experts": 1,
+        "moe_intermediate_size": 32,
+        "first_k_dense_replace": 1,
+    },
+}
 
-def _resolve_text_configs(cases: dict[str, Case], others: dict[str, Case]) -> None:
+
+def resolve_text_configs(cases: dict[str, Case], others: dict[str, Case]) -> None:
     """Fill ``{"__from__": name}`` text configs from another case (written once, used twice)."""
     for name, (config, bits, splits) in list(cases.items()):
         source = config.get("text_config", {}).get("__from__")

@@ -1,5 +1,6 @@
 """Real stage workers on loopback and the real coordinator, in this process: the pipeline
-the in-process tests drive (two stages; of a tiny checkpoint, layers 0-2 and 3-5)."""
+the in-process tests drive (two stages; of a tiny checkpoint, layers 0-2 and 3-5), the stage
+workers themselves, and the cluster TOML of two stages on loopback that the coordinator reads."""
 
 from __future__ import annotations
 
@@ -12,15 +13,50 @@ from typing import Any
 
 from mlxppd.core.config.cluster import parse_cluster_config
 from mlxppd.core.layer_ranges import LayerRange
+from mlxppd.core.profile.model import read_model_config
 from mlxppd.core.stages import StageSpec
 from mlxppd.runtime.coordinator.coordinator import Coordinator
 from mlxppd.runtime.node_start import CoordinatorSetup, start_pipeline_coordinator
+from mlxppd.runtime.stage.loader import load_stage_runner, stage_kv_manager
 from mlxppd.runtime.stage.worker import StageWorker
 from mlxppd.runtime.system.mlx_thread import MlxThread
-from tests.runtime.coordinator.test_sequence_isolation import CLUSTER_TOML
-from tests.support.wire import CLUSTER, SECRET
+from mlxppd.wire.backends import create_transport
+from tests.support.wire import CLUSTER, SECRET, config
 
 SPLIT = (StageSpec(0, 2, 0, 3), StageSpec(1, 2, 3, 6))
+
+#: two stages on loopback and a coordinator (``str.format`` fills name, port0 and port1)
+CLUSTER_TOML = """\
+[cluster]
+name = "{name}"
+pipeline_parallel_size = 2
+
+[[nodes]]
+id = "coordinator"
+address = "127.0.0.1:1"
+role = "coordinator"
+
+[[nodes]]
+id = "stage-0"
+address = "127.0.0.1:{port0}"
+role = "pipeline_stage"
+stage = 0
+
+[[nodes]]
+id = "stage-1"
+address = "127.0.0.1:{port1}"
+role = "pipeline_stage"
+stage = 1
+"""
+
+
+async def stage_worker(model_dir: Path, mlx: MlxThread, spec: StageSpec) -> StageWorker:
+    """A real stage worker for ``spec`` of the checkpoint in ``model_dir``, node id
+    ``stage-<index>``, not started yet."""
+    runner, per_token = await load_stage_runner(mlx, model_dir, spec, read_model_config(model_dir))
+    kv = stage_kv_manager(spec, per_token, None, 8)
+    transport = create_transport("tcp", config(f"stage-{spec.index}"))
+    return StageWorker(spec, runner, kv, transport, mlx)
 
 
 @asynccontextmanager

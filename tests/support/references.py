@@ -48,6 +48,18 @@ def load_reference_model(model_dir: Path, mode: CpuWeights = CpuWeights.AUTO) ->
     return held_as(model, served_weights(model_dir, mode))
 
 
+def reference_tokens(
+    model_dir: Path, prompt: list[int], n: int, weights: CpuWeights = CpuWeights.NATIVE
+) -> list[int]:
+    """Single-process mlx-lm's first ``n`` greedy tokens after ``prompt``, the weights held as
+    a stage in ``weights`` mode holds them."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    model = load_reference_model(model_dir, weights)
+    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
+
+
 def greedy_answers(model_dir: Path, asks: Iterable[tuple[str, int]]) -> dict[tuple[str, int], str]:
     """Single-process mlx-lm's greedy answer to each (question, max_tokens), asked as a one-turn
     chat, with the weights held as a served stage holds them."""

@@ -1,4 +1,5 @@
-"""Helpers shared by the wire tests: configs, a bounded asyncio runner, an echo peer, a proxy.
+"""Helpers shared by the wire tests: configs, transports, a bounded asyncio runner, an echo peer,
+a proxy.
 
 The ``TamperProxy`` is a real TCP proxy on 127.0.0.1 that sits between a client and a listener,
 understands just enough of the protocol to find record boundaries, and lets a test rewrite,
@@ -18,6 +19,8 @@ from mlxppd.wire.backends import create_transport
 from mlxppd.wire.channel import SecureChannel
 from mlxppd.wire.codec import MessageKind
 from mlxppd.wire.handshake import ENVELOPE
+from mlxppd.wire.rdma import RdmaTransport
+from mlxppd.wire.rdma_probe import ProbeResult
 from mlxppd.wire.record import RECORD_HEADER
 from mlxppd.wire.secret import ClusterSecret
 from mlxppd.wire.transport import Listener, Transport, WireConfig
@@ -28,6 +31,8 @@ SECRET_TEXT = "7f3c9a1e5b2d4c6a8e0f1a2b3c4d5e6f"
 SECRET = ClusterSecret(SECRET_TEXT.encode(), "test")
 OTHER_SECRET = ClusterSecret(b"a-different-secret-of-32-bytes!!", "test")
 CLUSTER = "test-cluster"
+#: what the rdma backend's probe finds on a host whose io_uring works
+ACCELERATED = ProbeResult("linux", "io_uring", "io_uring_setup succeeded", True)
 
 
 def config(node_id: str, **overrides: Any) -> WireConfig:
@@ -40,6 +45,13 @@ def config(node_id: str, **overrides: Any) -> WireConfig:
     }
     settings.update(overrides)
     return WireConfig(**settings)
+
+
+def backend_transport(backend: str = "tcp", node_id: str = "server", **overrides: Any) -> Transport:
+    """A transport of ``backend`` (``rdma``: its fast path, as on a host whose probe passed)."""
+    if backend == "rdma":
+        return RdmaTransport(config(node_id, **overrides), probe=lambda: ACCELERATED)
+    return create_transport(backend, config(node_id, **overrides))
 
 
 def run(factory: Callable[[], Coroutine[Any, Any, T]], timeout: float = 120.0) -> T:

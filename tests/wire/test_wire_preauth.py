@@ -20,31 +20,19 @@ import pytest
 
 from mlxppd.core.errors import ConfigurationError, TemporaryError
 from mlxppd.core.log_text import quoted
-from mlxppd.wire.backends import create_transport
 from mlxppd.wire.codec import MESSAGE_HEADER, MessageAssembler, MessageKind
 from mlxppd.wire.dtypes import dtype_by_name
 from mlxppd.wire.errors import HandshakeError, HandshakeFailure, PreauthRefusal
 from mlxppd.wire.handshake import HandshakeType, Hello, decode_hello, encode_hello
 from mlxppd.wire.limits import FrameLimits
 from mlxppd.wire.preauth import source_of
-from mlxppd.wire.rdma import RdmaTransport
-from mlxppd.wire.rdma_probe import ProbeResult
 from mlxppd.wire.streams import CHUNK_BYTES, HANDSHAKE_BUFFER_BYTES
-from mlxppd.wire.transport import Transport, WireConfig
+from mlxppd.wire.transport import WireConfig
 from mlxppd.wire.version import PROTOCOL_VERSION
 from tests.support.paths import REPO_ROOT
-from tests.support.wire import SECRET, assert_serving, config, eventually, run, serve
+from tests.support.wire import SECRET, assert_serving, backend_transport, eventually, run, serve
 
 pytestmark = pytest.mark.timeout(60)
-
-ACCELERATED = ProbeResult("linux", "io_uring", "io_uring_setup succeeded", True)
-
-
-def server(backend: str = "tcp", node_id: str = "server", **overrides: object) -> Transport:
-    """A transport of ``backend`` (``rdma``: its fast path, as on a host whose probe passed)."""
-    if backend == "rdma":
-        return RdmaTransport(config(node_id, **overrides), probe=lambda: ACCELERATED)
-    return create_transport(backend, config(node_id, **overrides))
 
 
 class Silent:
@@ -96,7 +84,7 @@ async def close_all(conns: list[Silent]) -> None:
 @pytest.mark.parametrize("backend", ["tcp", "rdma"])
 def test_handshakes_beyond_the_global_cap_are_closed_unread_and_counted(backend: str) -> None:
     async def scenario() -> None:
-        transport = server(backend, max_handshakes=3, max_handshakes_per_source=100)
+        transport = backend_transport(backend, max_handshakes=3, max_handshakes_per_source=100)
         async with await serve(transport) as listener:
             held = [await Silent.open(listener.address) for _ in range(3)]
             await eventually(lambda: listener.handshakes.in_progress == 3)
@@ -116,7 +104,7 @@ def test_handshakes_beyond_the_global_cap_are_closed_unread_and_counted(backend:
 
 def test_handshakes_beyond_the_per_source_cap_are_closed_while_other_sources_get_in() -> None:
     async def scenario() -> None:
-        transport = server(max_handshakes=10, max_handshakes_per_source=2)
+        transport = backend_transport(max_handshakes=10, max_handshakes_per_source=2)
         async with await serve(transport) as listener:
             held = [await Silent.open(listener.address) for _ in range(2)]
             await eventually(lambda: listener.handshakes.in_progress_from("127.0.0.1") == 2)
@@ -168,7 +156,7 @@ PROTOCOL_DOC = (REPO_ROOT / "docs" / "protocol.md").read_text()
 @pytest.mark.parametrize("backend", ["tcp", "rdma"])
 def test_a_silent_connection_is_dropped_at_the_handshake_timeout(backend: str) -> None:
     async def scenario() -> None:
-        transport = server(backend, handshake_timeout_s=0.2)
+        transport = backend_transport(backend, handshake_timeout_s=0.2)
         async with await serve(transport) as listener:
             silent = await Silent.open(listener.address)
             await until_closed([silent])
@@ -187,7 +175,7 @@ def test_an_unauthenticated_connection_holds_a_few_kib_and_an_accepted_one_full_
     backend: str,
 ) -> None:
     async def scenario() -> None:
-        transport = server(backend)
+        transport = backend_transport(backend)
         async with await serve(transport, grab) as listener:
             tracemalloc.start()
             try:
@@ -205,7 +193,7 @@ def test_an_unauthenticated_connection_holds_a_few_kib_and_an_accepted_one_full_
             # Everything Python allocated for a connection, at both ends: KiB, not a MiB arena.
             assert per_connection < 64 * 1024, per_connection
             await close_all(conns)
-            client = server(backend, node_id="client")
+            client = backend_transport(backend, node_id="client")
             channel = await client.connect(*listener.address)
             try:
                 await channel.send(MessageKind.CONTROL, {"hi": 1})
@@ -275,7 +263,7 @@ def test_a_hello_with_a_newline_in_its_cluster_name_is_refused_and_logged_escape
     forged = "evil\nmlxppd: stage 0 is healthy"
 
     async def scenario() -> None:
-        transport = server()
+        transport = backend_transport()
         async with await serve(transport) as listener:
             conn = await Silent.open(listener.address)
             assert conn.writer is not None
@@ -301,11 +289,10 @@ def test_a_hello_with_a_newline_in_its_cluster_name_is_refused_and_logged_escape
 _EMFILE_CHILD = """
 import asyncio, os, resource, sys
 from mlxppd.runtime.system import event_loop
-from tests.wire.test_wire_preauth import server
-from tests.support.wire import echo
+from tests.support.wire import backend_transport, echo
 
 async def main():
-    transport = server(sys.argv[1], max_handshakes_per_source=64)
+    transport = backend_transport(sys.argv[1], max_handshakes_per_source=64)
     listener = await transport.listen("127.0.0.1", 0, echo)
     # Room for a few more descriptors only: a flood of connections runs this process out.
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
@@ -353,7 +340,7 @@ def test_a_listener_out_of_file_descriptors_keeps_serving_once_they_are_back(
 
 async def _eventually_serving(address: tuple[str, int]) -> None:
     """A real peer connects and gets an answer, once the listener has room again."""
-    client = server(node_id="good-peer")
+    client = backend_transport(node_id="good-peer")
     async with asyncio.timeout(30):
         while True:
             try:

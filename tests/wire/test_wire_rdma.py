@@ -27,11 +27,10 @@ from mlxppd.wire.rdma_probe import (
 from mlxppd.wire.streams import advance_buffers
 from mlxppd.wire.version import RDMA_PROTOCOL_VERSION
 from tests.support.paths import REPO_ROOT
-from tests.support.wire import config, run, serve
+from tests.support.wire import ACCELERATED, config, run, serve
 
 pytestmark = pytest.mark.timeout(60)
 
-ACCELERATED = ProbeResult("linux", "io_uring", "io_uring_setup succeeded", True)
 NO_IO_URING = ProbeResult(
     "linux", "io_uring_missing", "kernel does not export io_uring_setup (ENOSYS)", False
 )

@@ -2,8 +2,8 @@
 
 Each builder mirrors ``mlx_lm/models/<family>.py``: the same module paths, shapes, defaults and
 conditions (which layers are MoE, which keep their own K/V), so that the profile prices exactly
-the blocks mlx-lm instantiates. MLA families live in ``mla``, SSM / linear-attention
-hybrids in ``hybrid``.
+the blocks mlx-lm instantiates. MLA families live in ``mla``, the recurrent families (SSM /
+linear-attention blocks beside attention blocks) in ``recurrent``.
 """
 
 from __future__ import annotations

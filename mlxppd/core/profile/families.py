@@ -27,9 +27,9 @@ from mlxppd.core.profile.builders import (
     mixtral,
     qwen3,
 )
-from mlxppd.core.profile.hybrid import jamba, nemotron_h, qwen3_5, qwen3_next
 from mlxppd.core.profile.mla import deepseek_v3, glm4_moe_lite, glm_moe_dsa, kimi_k3
 from mlxppd.core.profile.pricing import Layout, Pricer
+from mlxppd.core.profile.recurrent import jamba, nemotron_h, qwen3_5, qwen3_next
 
 __all__ = ["FAMILIES", "FamilyBuilder", "FamilySpec"]
 

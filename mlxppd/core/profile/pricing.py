@@ -1,6 +1,6 @@
 """Pricing tensors the way mlx-lm holds them in memory, from ``config.json`` alone.
 
-A family layout (``builders``, ``mla``, ``hybrid``) names every tensor
+A family layout (``builders``, ``mla``, ``recurrent``) names every tensor
 of every block with mlx-lm's own module paths and shapes; this module turns a tensor into bytes.
 
 Quantized modules follow mlx-lm's rules: ``Linear``, ``Embedding``, ``SwitchLinear`` and

@@ -39,13 +39,13 @@ def owned(spec: StageSpec, layers: list[Any]) -> list[tuple[int, Any]]:
     return [(i, layers[i]) for i in range(spec.start, spec.end)]
 
 
-def run_hybrid(
+def run_attention_and_recurrent(
     layers: list[tuple[int, Any]],
     h: mx.array,
     cache: list[Any],
     is_attention: Callable[[Any], bool],
 ) -> mx.array:
-    """Run attention and SSM blocks, each with its kind's mask.
+    """Run attention and recurrent (SSM / linear-attention) blocks, each with its kind's mask.
 
     The full model builds one mask per block kind from the first cache of that kind; every
     cache of a kind has the same offset, so the stage's first one gives the same mask.

@@ -14,7 +14,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from mlxppd.core.stages import StageSpec
-from mlxppd.engine.families.base import Family, owned, run_hybrid
+from mlxppd.engine.families.base import Family, owned, run_attention_and_recurrent
 
 
 class JambaFamily(Family):
@@ -32,7 +32,9 @@ class JambaFamily(Family):
     def run_layers(
         self, model: nn.Module, h: mx.array, cache: list[Any], spec: StageSpec
     ) -> mx.array:
-        return run_hybrid(owned(spec, self.layers(model)), h, cache, lambda block: block.is_attn)
+        return run_attention_and_recurrent(
+            owned(spec, self.layers(model)), h, cache, lambda block: block.is_attn
+        )
 
     def head(self, model: nn.Module, h: mx.array) -> mx.array:
         inner = self.inner(model)

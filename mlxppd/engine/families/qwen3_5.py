@@ -1,4 +1,4 @@
-"""Qwen 3.5 (model_types ``qwen3_5`` and ``qwen3_5_moe``, flat or VLM config): hybrid stages.
+"""Qwen 3.5 (model_types ``qwen3_5`` and ``qwen3_5_moe``, flat or VLM config): recurrent.
 
 mlx-lm builds both as ``Model`` -> ``language_model`` (a text model with ``model`` and an
 optional ``lm_head``), whether the config nests the text part under ``text_config`` (the VLM

@@ -15,7 +15,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from mlxppd.core.stages import StageSpec
-from mlxppd.engine.families.base import Family, owned, run_hybrid
+from mlxppd.engine.families.base import Family, owned, run_attention_and_recurrent
 
 
 class Qwen3NextFamily(Family):
@@ -52,7 +52,7 @@ class Qwen3NextFamily(Family):
     def run_layers(
         self, model: nn.Module, h: mx.array, cache: list[Any], spec: StageSpec
     ) -> mx.array:
-        return run_hybrid(
+        return run_attention_and_recurrent(
             owned(spec, self.layers(model)), h, cache, lambda block: not block.is_linear
         )
 

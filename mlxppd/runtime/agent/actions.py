@@ -95,7 +95,7 @@ def _call_in(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> N
 def _spec(target: StageTarget) -> StageSpec:
     if target.layers is None:  # a standby: no layers until the coordinator gives it a stage's
         return StageSpec.standby(target.num_stages)
-    return StageSpec(target.stage, target.num_stages, target.layers.start, target.layers.end)
+    return StageSpec.holding(target.stage, target.num_stages, target.layers)
 
 
 class NodeRuntime:
@@ -398,7 +398,7 @@ class NodeRuntime:
         stage_nodes = ctx.cluster.pipeline_nodes()
         n = len(target.layers)
         targets = [
-            (node, StageSpec(i, n, r.start, r.end))
+            (node, StageSpec.holding(i, n, r))
             for i, (node, r) in enumerate(zip(stage_nodes, target.layers, strict=True))
             if nodes is None or node.id in nodes
         ]
@@ -473,7 +473,7 @@ class NodeRuntime:
         self, live: Coordinator, target: CoordinatorTarget, timeout_s: float
     ) -> None:
         pairs = zip(target.stages, target.layers, strict=True)
-        want = {s.node_id: (r.start, r.end) for s, r in pairs}
+        want = {s.node_id: r.pair for s, r in pairs}
         deadline = time.monotonic() + timeout_s
         while True:
             reports = await live.stage_reports()

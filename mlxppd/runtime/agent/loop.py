@@ -106,7 +106,7 @@ def _with_model_files(desired: DesiredState, place: ModelPlace) -> DesiredState:
         return desired
     files = place.configured
     if target.layers is not None:
-        spec = StageSpec(target.stage, target.num_stages, target.layers.start, target.layers.end)
+        spec = StageSpec.holding(target.stage, target.num_stages, target.layers)
         files = stage_model_dir(place.configured, place.root, spec, place.config, place.cache_dir)
     return replace(desired, stage=replace(target, model_files=str(files or "")))
 

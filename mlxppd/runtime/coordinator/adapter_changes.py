@@ -69,7 +69,7 @@ class AdapterChanges:
         tied = bool(self._identity.config.get("tie_word_embeddings", False))
         out: list[str | None] = []
         for index, layers in enumerate(chain.plan):
-            spec = StageSpec(index, len(chain.plan), layers.start, layers.end)
+            spec = StageSpec.holding(index, len(chain.plan), layers)
             out.append(adapter_digest(path, functools.partial(_wanted, spec, tied))[0])
         return out
 

@@ -105,8 +105,10 @@ class Coordinator:
         #: the plan of the cluster file, which a restarted stage holds again
         self.file_plan = plan
         self.transport = transport
-        self._tokenizer = tokenizer
-        self._model_id = model_id
+        #: the name requests give as ``model`` (the backend contract's)
+        self.model_id = model_id
+        #: mlx-lm's TokenizerWrapper (the backend contract's)
+        self.tokenizer = tokenizer
         self._connect_timeout_s = connect_timeout_s
         self._clock = clock
         self.serving = Serving(since=clock())
@@ -147,12 +149,12 @@ class Coordinator:
             self.trace,
         )  # fmt: skip
         self.adapter_changes = AdapterChanges(
-            lambda: self.chain, self.adapters, self.admission, self.identity, self._model_id
+            lambda: self.chain, self.adapters, self.admission, self.identity, self.model_id
         )
         self.runner = SequenceRunner(
             admission=self.admission, sender=self.sender, router=self.router,
             meter=lambda: self.meter, adapters=self.adapters, await_serving=self.await_serving,
-            parallel=parallel, eos=set(getattr(self._tokenizer, "eos_token_ids", ()) or ()),
+            parallel=parallel, eos=set(getattr(self.tokenizer, "eos_token_ids", ()) or ()),
             replays=self.failover is not None, trace=self.trace, metrics=self.metrics,
         )  # fmt: skip
         self._read = LinkReader(
@@ -179,7 +181,7 @@ class Coordinator:
 
     async def warm(self) -> None:
         """One 2-token request through every stage (compiles kernels, proves the chain)."""
-        prompt = [int(t) for t in self._tokenizer.encode("Hello")] or [0]
+        prompt = [int(t) for t in self.tokenizer.encode("Hello")] or [0]
         async for _ in self.generate("warmup", prompt, SamplingParams(max_tokens=2)):
             pass
 
@@ -365,14 +367,6 @@ class Coordinator:
             await asyncio.sleep(self.failover.heartbeat_interval_s)
 
     # -- GenerationBackend ---------------------------------------------------------------------
-
-    @property
-    def model_id(self) -> str:
-        return self._model_id
-
-    @property
-    def tokenizer(self) -> Any:
-        return self._tokenizer
 
     def generate_choices(
         self, request_id: str, prompt: list[int], params: Sequence[SamplingParams]

@@ -1,8 +1,9 @@
 """A stage worker's model commands: what it serves (``Identify``) and receiving a prepared copy
 (``PrepareCheck`` / ``PrepareData`` / ``PrepareCommit``, ``engine/prepared_copy.py``).
 
-A mixin of ``StageWorker``. Hashing and file writes run in a thread so the channel's event loop
-keeps answering; a prepare's data arrives in order on its own channel, so appends stay ordered.
+A part of ``StageWorker`` over the shared ``StageState``. Hashing and file writes run in a
+thread so the channel's event loop keeps answering; a prepare's data arrives in order on its own
+channel, so appends stay ordered.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pydantic import ValidationError
 
 import mlxppd
 from mlxppd.core.protocol.model_transfer import (
+    Identify,
     IdentityReply,
     PrepareCheck,
     PrepareCommit,
@@ -25,12 +27,11 @@ from mlxppd.core.protocol.model_transfer import (
     PrepareState,
     parse_manifest,
 )
-from mlxppd.core.stages import StageSpec
 from mlxppd.engine.families import supported_families, wire_family
 from mlxppd.engine.prepared_copy import ModelReceiver
-from mlxppd.engine.stage_runner import StageRunner
-from mlxppd.runtime.stage.control import ProtocolViolation, send_reply
+from mlxppd.runtime.stage.state import ProtocolViolation, StageState, send_reply
 from mlxppd.wire.channel import SecureChannel
+from mlxppd.wire.codec import Tensor
 from mlxppd.wire.version import PROTOCOL_VERSION
 
 log = logging.getLogger("mlxppd.stage")
@@ -38,14 +39,25 @@ log = logging.getLogger("mlxppd.stage")
 PrepareCommand = PrepareCheck | PrepareData | PrepareCommit
 
 
-class StageModel:
-    """Identity and prepare commands on a stage (mixed into ``StageWorker``)."""
+class ModelCommands:
+    """Identity and prepare commands on a stage."""
 
-    spec: StageSpec
-    runner: StageRunner | None
-    receiver: ModelReceiver | None
-    #: why this node serves nothing (its files are missing), or None
-    missing_model: str | None
+    def __init__(
+        self,
+        state: StageState,
+        receiver: ModelReceiver | None = None,
+        missing_model: str | None = None,
+    ) -> None:
+        self._state = state
+        # Where mlxppctl prepare's tensors go (None: this node takes none), and why this node
+        # serves nothing yet when its model files are missing.
+        self._receiver = receiver
+        self._missing_model = missing_model
+
+    async def on_identify(
+        self, channel: SecureChannel, command: Identify, tensor: Tensor | None
+    ) -> None:
+        await send_reply(channel, self.identify(command.rid))
 
     def identify(self, rid: int = 0) -> IdentityReply:
         common: dict[str, Any] = {
@@ -54,12 +66,12 @@ class StageModel:
             "protocol_version": PROTOCOL_VERSION,
             "families": list(supported_families()),
         }
-        if self.runner is None:
-            state = "missing" if self.missing_model is not None else "standby"
+        if self._state.runner is None:
+            state = "missing" if self._missing_model is not None else "standby"
             return IdentityReply(
-                **common, model_state=state, detail=(self.missing_model or "")[:600]
+                **common, model_state=state, detail=(self._missing_model or "")[:600]
             )
-        stage = self.runner.stage
+        stage = self._state.runner.stage
         return IdentityReply(
             **common,
             family=wire_family(stage.config),
@@ -67,10 +79,10 @@ class StageModel:
             identity=stage.identity,
         )
 
-    async def _model_command(
-        self, channel: SecureChannel, command: PrepareCommand, tensor: Any
+    async def on_prepare(
+        self, channel: SecureChannel, command: PrepareCommand, tensor: Tensor | None
     ) -> None:
-        receiver = self.receiver
+        receiver = self._receiver
         if receiver is None:
             raise ProtocolViolation("this node takes no prepared copy (no model cache)")
         payload = bytes(tensor.data) if tensor is not None else b""

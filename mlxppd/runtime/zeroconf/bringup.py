@@ -332,7 +332,7 @@ async def _assign(
             assert node.stage is not None
             r = ranges[node.stage]
             offer = Offer(
-                rid=0, node_id=node.id, stage=node.stage, layers=(r.start, r.end),
+                rid=0, node_id=node.id, stage=node.stage, layers=r.pair,
                 model=identity, version=__version__, cluster=plan.cluster.name, topology=text,
             )  # fmt: skip
             verdict = await peer.control.ask(offer, AssignmentReply)

@@ -155,7 +155,7 @@ def test_the_status_document_lists_standbys_idle_and_adopted() -> None:
         stages=lambda: stages, http_address=lambda: "127.0.0.1:8080", driver=lambda: None,
         standbys=lambda: standbys,
     )  # fmt: skip
-    document = asyncio.run(CoordinatorAdmin(view).status())
+    document = asyncio.run(CoordinatorAdmin(view).status()).model_dump(mode="json")
 
     # The stages are the chain serving now (spare-c in the lost stage-1's place), with roles.
     assert [(c["node_id"], c["role"]) for c in document["stages"]] == [

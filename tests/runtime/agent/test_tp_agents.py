@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 
 from mlxppd.wire.secret import write_new_secret
-from tests.cli.test_tp_serving import QUESTION
 from tests.support.agents import (
     CHAT,
     VENV_BIN,
@@ -27,6 +26,7 @@ from tests.support.agents import (
     start_agent,
 )
 from tests.support.references import greedy_answers
+from tests.support.tp_serving import QUESTION
 
 pytestmark = pytest.mark.slow
 

@@ -14,10 +14,8 @@ from mlxppd.core.stages import StageSpec
 from mlxppd.engine.tokenizer import encode_prompt, load_tokenizer
 from mlxppd.runtime.backends.contract import SamplingParams
 from mlxppd.runtime.system.mlx_thread import MlxThread
-from tests.engine.test_stage_parity import reference_tokens
-from tests.runtime.coordinator.test_sequence_isolation import stage_worker
-from tests.support.pipelines import pipeline
-from tests.support.references import served_weights
+from tests.support.pipelines import pipeline, stage_worker
+from tests.support.references import reference_tokens, served_weights
 from tests.support.wire import run
 
 pytestmark = pytest.mark.slow

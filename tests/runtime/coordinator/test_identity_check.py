@@ -15,8 +15,7 @@ from mlxppd.core.model_identity import IdentityCheck
 from mlxppd.runtime.coordinator.identity_check import ModelMismatch
 from mlxppd.runtime.system.mlx_thread import MlxThread
 from tests.conftest import TINY_LLAMA
-from tests.runtime.coordinator.test_sequence_isolation import stage_worker
-from tests.support.pipelines import SPLIT, pipeline
+from tests.support.pipelines import SPLIT, pipeline, stage_worker
 from tests.support.wire import run
 
 CHANGED = "model.layers.4.mlp.down_proj.weight"

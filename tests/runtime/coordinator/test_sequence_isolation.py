@@ -13,7 +13,6 @@ import pytest
 
 from mlxppd.core.config.cluster import parse_cluster_config
 from mlxppd.core.layer_ranges import LayerRange
-from mlxppd.core.profile.model import read_model_config
 from mlxppd.core.protocol.control import Ack, Admit, AdmitReply, Configure, Release
 from mlxppd.core.protocol.pipeline import SequenceFailure, TokenMeta
 from mlxppd.core.stages import StageSpec
@@ -21,12 +20,11 @@ from mlxppd.engine.tokenizer import load_tokenizer
 from mlxppd.runtime.backends.contract import SamplingParams, SequenceFailed
 from mlxppd.runtime.coordinator.control_client import ControlClient
 from mlxppd.runtime.node_start import CoordinatorSetup, start_pipeline_coordinator
-from mlxppd.runtime.stage.loader import load_stage_runner, stage_kv_manager
-from mlxppd.runtime.stage.worker import StageWorker
 from mlxppd.runtime.system.mlx_thread import MlxThread
 from mlxppd.wire.backends import create_transport
 from mlxppd.wire.channel import SecureChannel
 from mlxppd.wire.codec import Message, MessageKind
+from tests.support.pipelines import CLUSTER_TOML, stage_worker
 from tests.support.wire import CLUSTER, SECRET, config, run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -74,14 +72,6 @@ class Peer:
         return tokens
 
 
-async def stage_worker(model_dir: Path, mlx: MlxThread, spec: StageSpec) -> StageWorker:
-    """A real stage worker for ``spec`` of the embedded model, node id ``stage-<index>``."""
-    runner, per_token = await load_stage_runner(mlx, model_dir, spec, read_model_config(model_dir))
-    kv = stage_kv_manager(spec, per_token, None, 8)
-    transport = create_transport("tcp", config(f"stage-{spec.index}"))
-    return StageWorker(spec, runner, kv, transport, mlx)
-
-
 def test_a_sequence_whose_forward_raises_fails_alone(embedded_model_dir: Path) -> None:
     async def scenario() -> None:
         mlx = MlxThread("isolation-mlx")
@@ -122,28 +112,6 @@ def test_a_sequence_whose_forward_raises_fails_alone(embedded_model_dir: Path) -
 
 
 TRIGGER = 13  # a prompt holding this token id makes stage 0's forward raise (injected fault)
-CLUSTER_TOML = """\
-[cluster]
-name = "{name}"
-pipeline_parallel_size = 2
-
-[[nodes]]
-id = "coordinator"
-address = "127.0.0.1:1"
-role = "coordinator"
-
-[[nodes]]
-id = "stage-0"
-address = "127.0.0.1:{port0}"
-role = "pipeline_stage"
-stage = 0
-
-[[nodes]]
-id = "stage-1"
-address = "127.0.0.1:{port1}"
-role = "pipeline_stage"
-stage = 1
-"""
 
 
 def test_a_request_whose_stage_fails_gets_an_error_and_the_others_their_tokens(

@@ -12,8 +12,7 @@ from pathlib import Path
 from mlxppd.runtime.backends.contract import SamplingParams
 from mlxppd.runtime.system.mlx_thread import MlxThread
 from tests.conftest import TINY_LLAMA
-from tests.runtime.coordinator.test_sequence_isolation import stage_worker
-from tests.support.pipelines import SPLIT, pipeline
+from tests.support.pipelines import SPLIT, pipeline, stage_worker
 from tests.support.wire import run
 
 PROMPT = list(range(3, 40))  # a head of 36 tokens, then the last one

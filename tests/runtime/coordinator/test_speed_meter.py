@@ -16,8 +16,7 @@ from mlxppd.runtime.backends.contract import SamplingParams
 from mlxppd.runtime.coordinator.speed_meter import SpeedMeter
 from mlxppd.runtime.system.mlx_thread import MlxThread
 from tests.conftest import TINY_LLAMA
-from tests.runtime.coordinator.test_sequence_isolation import stage_worker
-from tests.support.pipelines import SPLIT, pipeline
+from tests.support.pipelines import SPLIT, pipeline, stage_worker
 from tests.support.wire import run
 
 

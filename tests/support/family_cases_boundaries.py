@@ -1,7 +1,9 @@
-"""Tiny configs for the hybrid SSM/attention families and Gemma 4 (same format as family_cases).
+"""Tiny configs for the families whose stage boundaries are the point (same format as
+family_cases): the recurrent families (SSM / linear-attention blocks beside attention blocks)
+and Gemma 4 (KV-sharing groups).
 
-Each split is chosen to land on the interesting boundaries: attention <-> SSM for the hybrids
-(noted per case), and just outside a KV-sharing group for Gemma 4.
+Each split is chosen to land on the interesting boundaries: attention <-> SSM for the recurrent
+families (noted per case), and just outside a KV-sharing group for Gemma 4.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Block layouts of the hybrid families: SSM or linear-attention blocks beside attention blocks.
+"""Block layouts of the recurrent families: SSM or linear-attention blocks beside attention blocks.
 
 Qwen 3.5 and Qwen3-Next (gated delta-net blocks, every ``full_attention_interval``-th block
 full attention), Jamba (Mamba mixers, ``attn_layer_period`` / ``attn_layer_offset`` attention,

@@ -1,0 +1,255 @@
+"""A stage worker's data plane: each input run in arrival order on the mlx thread, its result
+queued for the sender task, so the next forward computes while the previous activation is on
+the wire. A part of ``StageWorker`` (``worker.py``) over the shared ``StageState``; its output
+queue, the sequences that failed here and the mlx threads' setting are its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from typing import Any
+
+import numpy as np
+
+from mlxppd.core.log_text import escape
+from mlxppd.core.protocol.control import clip
+from mlxppd.core.protocol.pipeline import (
+    BatchForwardMeta,
+    BatchTokenMeta,
+    ForwardMeta,
+    GroupFailure,
+    SequenceFailure,
+    TokenMeta,
+)
+from mlxppd.engine.stage_threads import StageThreads
+from mlxppd.engine.tp_mirror import MirroredRunner
+from mlxppd.engine.wire_tensors import from_wire, to_wire
+from mlxppd.runtime.observability.trace import now_us
+from mlxppd.runtime.stage.state import StageState
+from mlxppd.runtime.stage.work import (
+    ForgetWork,
+    ForwardWork,
+    GroupWork,
+    Output,
+    ReleaseAllWork,
+    ReleaseWork,
+    SwapWork,
+)
+from mlxppd.wire.codec import Message, MessageKind
+from mlxppd.wire.errors import ChannelClosedError
+
+log = logging.getLogger("mlxppd.stage")
+
+
+class StageCompute:
+    """The compute loop and the sender task of one stage."""
+
+    def __init__(self, state: StageState) -> None:
+        self._state = state
+        self._out: asyncio.Queue[Output] = asyncio.Queue()
+        # Sequences that failed here: their queued inputs are skipped until released.
+        self._failed: set[str] = set()
+        self._threads = StageThreads()
+
+    async def accept_activation(self, message: Message) -> None:
+        """Queue an input for the compute loop: one sequence's, or a micro-batch's."""
+        if "group" in message.meta:
+            batch = BatchForwardMeta.model_validate(dict(message.meta))
+            self._arrived(batch.sent_at, message)
+            await self._state.work.put(GroupWork(batch, message.tensor))
+        else:
+            meta = ForwardMeta.model_validate(dict(message.meta))
+            self._arrived(meta.sent_at, message)
+            await self._state.work.put(ForwardWork(meta, message.tensor))
+
+    def _arrived(self, sent_at: float | None, message: Message) -> None:
+        nbytes = message.tensor.nbytes if message.tensor is not None else 0
+        if sent_at is not None:
+            self._state.latency.observe(time.time() - sent_at)
+        index = self._state.spec.index
+        self._state.trace.instant("activation_recv", index, bytes=nbytes, direction="recv")
+
+    async def compute_loop(self) -> None:
+        s = self._state
+        while True:
+            item = await s.work.get()
+            if isinstance(item, ForwardWork):
+                await self._forward(item.meta, item.tensor)
+            elif isinstance(item, GroupWork):
+                await self._forward_group(item.meta, item.tensor)
+            elif isinstance(item, ReleaseWork):
+                self._failed.discard(item.seq)
+                # The accounting changed when the release arrived (admission.py).
+                if item.keep is None or not await self._keep_here(item):
+                    if item.keep is not None:
+                        s.kv.unpin(item.keep)  # not kept after all
+                    await self._release_here(item.seq)
+            elif isinstance(item, ForgetWork):
+                for entry in item.entries:
+                    if s.runner is not None:
+                        await s.mlx.run(functools.partial(s.runner.forget, entry))
+            elif isinstance(item, ReleaseAllWork):
+                self._failed.clear()
+                s.kv.clear()
+                s.clock.set_active(0, time.monotonic())
+                if s.runner is not None:
+                    await s.mlx.run(s.runner.release_all)
+            elif isinstance(item, SwapWork):
+                s.spec, s.runner, s.kv = item.spec, item.runner, item.kv
+                s.clock.set_active(len(item.kv.reserved), time.monotonic())
+                item.done.set_result(None)
+
+    def _computed(self, started: float, start_us: float, rows: int) -> None:
+        elapsed = time.monotonic() - started
+        s = self._state
+        s.stats.busy_s += elapsed
+        s.stats.forwards += 1
+        s.clock.busy(elapsed)
+        s.trace.span("stage", s.spec.index, start_us, now_us(), rows=rows)
+
+    async def _forward(self, meta: ForwardMeta, tensor: Any) -> None:
+        if meta.seq in self._failed:
+            return  # the rest of a failed sequence's prefill: its request has been told
+        s = self._state
+        started = time.monotonic()
+        sample = meta.sample and s.spec.has_lm_head
+
+        def run() -> Any:
+            self._threads.before_pass(False)
+            x = from_wire(tensor)
+            if meta.cached is not None:
+                s.layers().start_from(meta.cached[0], meta.seq, meta.cached[1])
+            if sample:
+                return s.layers().forward_and_sample(meta.seq, x, meta.logprobs)
+            out = to_wire(s.layers().forward(meta.seq, x))
+            for seq in meta.forks or ():
+                s.layers().fork(meta.seq, seq)
+            return out
+
+        start_us = now_us()
+        try:
+            result = await s.mlx.run(run)
+        except Exception as exc:
+            # This input cannot run here (a bad tensor, a family's forward or the sampler
+            # raising): only its sequence fails; the link and every other sequence carry on.
+            await self._sequence_failed(meta.seq, exc)
+            return
+        self._computed(started, start_us, rows=1)
+        if s.spec.has_lm_head:
+            if sample:
+                token = np.array([result.token], dtype=np.int32)
+                top = list(result.top) if result.top is not None else None
+                out = TokenMeta(seq=meta.seq, step=meta.step, logprob=result.logprob, top=top)
+                await self._out.put((MessageKind.TOKENS, out, token))
+            return
+        await self._out.put((MessageKind.ACTIVATION, meta, result))
+
+    async def _keep_here(self, item: ReleaseWork) -> bool:
+        """Keep a released sequence's caches as a prompt-cache entry (False: not kept)."""
+        s = self._state
+        if s.runner is None or item.keep is None:
+            return False
+        keep = functools.partial(s.runner.keep, item.seq, item.keep, item.keep_tokens)
+        try:
+            return bool(await s.mlx.run(keep))
+        except Exception as exc:  # the entry is simply not there: its reuse falls back
+            log.warning("stage %d: cannot keep %s: %s", s.spec.index, escape(item.seq), exc)
+            return False
+
+    async def _release_here(self, seq: str) -> None:
+        if (runner := self._state.runner) is not None:
+            await self._state.mlx.run(functools.partial(runner.release, seq))
+
+    def _check_ring(self) -> None:
+        runner = self._state.runner
+        if isinstance(runner, MirroredRunner) and runner.broken:
+            self.rank_lost("a tensor-parallel rank is gone")
+
+    def rank_lost(self, why: str) -> None:
+        """A tensor-parallel rank of this stage is gone: nothing more computes here until the
+        stage's ranks start again together (whoever runs this node restarts it)."""
+        s = self._state
+        if isinstance(s.runner, MirroredRunner):
+            s.runner.broken = True
+        if not s.ring_lost.is_set():
+            log.error("stage %d: %s; this stage stops", s.spec.index, why)
+        s.ring_lost.set()
+
+    async def _sequence_failed(self, seq: str, exc: Exception) -> None:
+        self._check_ring()
+        index = self._state.spec.index
+        self._state.stats.sequence_failures += 1
+        log.error("stage %d: sequence %s failed: %s", index, escape(seq), exc)
+        self._failed.add(seq)
+        await self._release_here(seq)
+        failure = SequenceFailure(seq=seq, stage=index, message=clip(str(exc), 1000))
+        await self._out.put((MessageKind.ERROR, failure, None))
+
+    async def _forward_group(self, meta: BatchForwardMeta, tensor: Any) -> None:
+        s = self._state
+        started = time.monotonic()
+        last = s.spec.has_lm_head
+
+        def run() -> Any:
+            self._threads.before_pass(meta.solo)
+            x = from_wire(tensor)
+            if x.shape[0] != len(meta.seqs):
+                raise ValueError(f"{x.shape[0]} rows for {len(meta.seqs)} sequences")
+            if last:
+                return s.layers().forward_group_and_sample(meta.group, meta.seqs, x, meta.logprobs)
+            return to_wire(s.layers().forward_group(meta.group, meta.seqs, x))
+
+        start_us = now_us()
+        try:
+            result = await s.mlx.run(run)
+        except Exception as exc:
+            # This group cannot run here (a malformed batch, a cache kind that cannot batch):
+            # drop its state and tell the coordinator, which fails its requests cleanly.
+            log.error("stage %d: micro-batch %s failed: %s", s.spec.index, meta.group, exc)
+            self._check_ring()
+            for seq in meta.seqs:
+                await self._release_here(seq)
+            error = GroupFailure(group=meta.group, seqs=meta.seqs, message=clip(str(exc), 1000))
+            await self._out.put((MessageKind.ERROR, error, None))
+            return
+        self._computed(started, start_us, rows=len(meta.seqs))
+        s.stats.batched_passes += 1
+        s.stats.batched_rows += len(meta.seqs)
+        if last:
+            tokens = np.array([r.token for r in result], dtype=np.int32)
+            out = BatchTokenMeta(
+                group=meta.group,
+                seqs=meta.seqs,
+                step=meta.step,
+                logprobs=[r.logprob for r in result] if meta.logprobs else None,
+            )
+            await self._out.put((MessageKind.TOKENS, out, tokens))
+            return
+        await self._out.put((MessageKind.ACTIVATION, meta, result))
+
+    async def send_loop(self) -> None:
+        s = self._state
+        while True:
+            kind, meta, tensor = await self._out.get()
+            to_coordinator = kind in (MessageKind.TOKENS, MessageKind.ERROR)
+            target = s.coordinator if to_coordinator else s.downstream
+            if target is None:
+                log.warning("stage %d: no %s channel; dropping output", s.spec.index, kind.name)
+                continue
+            if kind is MessageKind.ACTIVATION:
+                meta = meta.model_copy(update={"sent_at": time.time()})
+                nbytes = tensor.nbytes if tensor is not None else 0
+                s.trace.instant("activation_send", s.spec.index, bytes=nbytes, direction="send")
+            try:
+                await target.send(kind, meta.model_dump(), tensor)
+            except ChannelClosedError as exc:
+                log.error("stage %d: sending %s failed: %s", s.spec.index, kind.name, exc)
+                coordinator = s.coordinator
+                if target is s.downstream and coordinator is not None:
+                    # The next stage is unreachable from here: the sequences in flight cannot
+                    # go on. Dropping the coordinator's link starts its failover, which
+                    # rebuilds the chain (and this stage's link to whoever is next).
+                    await coordinator.close()
