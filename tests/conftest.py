@@ -50,6 +50,8 @@ SLOW_MODULES = (
     "test_tp_serving.py",
     "test_tp_agents.py",
     "test_adapter_families.py",
+    "test_admin_openapi.py",
+    "test_recovery_order.py",
 )
 
 

@@ -1,8 +1,10 @@
-"""The coordinator's whole HTTP API as one application: the OpenAI API and the admin API
-(``http/openai_api.py``), the Anthropic Messages API (``http/anthropic_api.py``) on the same
-backend, state and limits, the OpenAPI document of them all (``http/openapi.py``) at
-``/openapi.json``, and a coordinator's web console (``http/console.py``) at ``/console``.
-``mlxppd serve`` and the agent's coordinator both build it here."""
+"""The coordinator's whole HTTP API as one application: the base app (``http/base_app.py``:
+middleware, limits, /health, /metrics) with the OpenAI API and the admin API on it
+(``create_app``, ``http/openai_api.py``), the Anthropic Messages API (``http/anthropic_api.py``)
+on the same backend, state and limits, its errors in its own shape, the OpenAPI document of
+them all (``http/openapi.py``) at ``/openapi.json``, and a coordinator's web console
+(``http/console.py``) at ``/console``. ``mlxppd serve`` and the agent's coordinator both build
+it here."""
 
 from __future__ import annotations
 

@@ -26,8 +26,8 @@ from mlxppd.core.profile.model import profile_from_config, read_model_config
 from mlxppd.engine.families import family_for
 from mlxppd.engine.model_files import resolve_model_dir
 from mlxppd.http.admin_api import AdminApi, signed_admin_api
+from mlxppd.http.base_app import create_metrics_app
 from mlxppd.http.console_feed import ConsoleFeed
-from mlxppd.http.openai_api import create_metrics_app
 from mlxppd.runtime.agent.status import CoordinatorAdmin, CoordinatorView
 from mlxppd.runtime.backends.contract import GenerationBackend
 from mlxppd.runtime.backends.inprocess import InProcessBackend

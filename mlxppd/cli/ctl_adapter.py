@@ -16,8 +16,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from pydantic import MISSING
+
+from mlxppd.cli.ctl_status import read_status
 from mlxppd.cli.ctl_target import Target, call
-from mlxppd.http.admin_api import ADAPTERS_PATH, ADAPTERS_UNLOAD_PATH, STATUS_PATH
+from mlxppd.core.status_document import AdapterStatus
+from mlxppd.http.admin_api import ADAPTERS_PATH, ADAPTERS_UNLOAD_PATH
 
 EXIT_OK, EXIT_FAILED = 0, 1
 
@@ -63,11 +67,12 @@ def run_adapter(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
         return 2
     target = Target(args, environ)
     if args.adapter_action == "list":
-        document = call(target, "GET", STATUS_PATH, args.timeout)
-        adapters = document.get("coordinator", {}).get("adapters") or {}
-        print(f"fused: {adapters.get('fused') or 'none'}")
-        for name, entry in (adapters.get("named") or {}).items():
-            print(f"{name}: {entry.get('path')} ({entry.get('running', 0)} requests running)")
+        adapters = read_status(target, args.timeout).coordinator.adapters
+        if adapters is MISSING:  # a pipeline without an adapter registry holds none
+            adapters = AdapterStatus(fused=None, named={})
+        print(f"fused: {adapters.fused or 'none'}")
+        for name, entry in adapters.named.items():
+            print(f"{name}: {entry.path} ({entry.running} requests running)")
         return EXIT_OK
     if args.adapter_action == "load":
         request: dict[str, Any] = {"name": args.name, "path": str(Path(args.path).absolute())}

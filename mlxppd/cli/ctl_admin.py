@@ -14,20 +14,26 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from pydantic import MISSING
+
 from mlxppd.cli import ctl_adapter, ctl_prepare
 from mlxppd.cli.ctl_prepare import progress_line
+from mlxppd.cli.ctl_status import read_events, read_status
 from mlxppd.cli.ctl_target import CoordinatorUnreachable, Target, call
-from mlxppd.core.agent.health import UNHEALTHY, overall_health
+from mlxppd.core.agent.elastic import ElasticState, Outcome
+from mlxppd.core.agent.health import UNHEALTHY
 from mlxppd.core.config.private_file import ALLOW_LOOSE_FLAG, ENV_ALLOW_LOOSE
 from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.partition.sizes import parse_byte_size
-from mlxppd.http.admin_api import (
-    DRAIN_PATH,
-    EVENTS_PATH,
-    REPARTITION_PATH,
-    RESUME_PATH,
-    STATUS_PATH,
+from mlxppd.core.status_document import (
+    CoordinatorStatus,
+    IdentityStatus,
+    RepartitionEventRecord,
+    SlotStatus,
+    StageCard,
+    StatusDocument,
 )
+from mlxppd.http.admin_api import DRAIN_PATH, REPARTITION_PATH, RESUME_PATH
 
 __all__ = ["CoordinatorUnreachable", "register", "render_status"]
 
@@ -172,17 +178,12 @@ def register(subparsers: Any) -> None:
 
 
 def _status(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
-    target = Target(args, environ)
-    document = call(target, "GET", STATUS_PATH, args.timeout)
-    badge = document.get("health")
-    detail = document.get("detail")
-    if not isinstance(badge, str) or not isinstance(detail, str):
-        badge, detail = overall_health(document)
+    document = read_status(Target(args, environ), args.timeout)
     if args.json:
-        print(json.dumps(document, indent=2))
+        print(json.dumps(document.model_dump(mode="json"), indent=2))
     else:
-        print(render_status(document, badge, detail, dash=_dash()))
-    return EXIT_UNHEALTHY if badge == UNHEALTHY else EXIT_OK
+        print(render_status(document, dash=_dash()))
+    return EXIT_UNHEALTHY if document.health == UNHEALTHY else EXIT_OK
 
 
 def _admission(args: argparse.Namespace, environ: Mapping[str, str], path: str) -> int:
@@ -230,30 +231,29 @@ def _repartition(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
         return EXIT_OK
     deadline = time.monotonic() + args.wait_timeout
     after = seq - 1
+    state = ElasticState.DRAINING
     while time.monotonic() < deadline:
-        page = call(target, "GET", f"{EVENTS_PATH}?after={after}", args.timeout)
-        for event in page.get("events", []):
-            after = max(after, int(event.get("seq", after)))
+        page = read_events(target, after, args.timeout)
+        state = page.state
+        for event in page.events:
+            after = max(after, after if event.seq is MISSING else event.seq)
             print(_event_line(event), flush=True)
-            if event.get("to") in ("idle", "failed"):
-                return EXIT_OK if event.get("outcome") == "completed" else EXIT_UNHEALTHY
+            if event.to in (ElasticState.IDLE, ElasticState.FAILED):
+                return EXIT_OK if event.outcome == Outcome.COMPLETED else EXIT_UNHEALTHY
         time.sleep(0.5)
-    print(f"mlxppctl: still {page.get('state')} after {args.wait_timeout:g} s", file=sys.stderr)
+    print(f"mlxppctl: still {state} after {args.wait_timeout:g} s", file=sys.stderr)
     return EXIT_UNHEALTHY
 
 
-def _event_line(event: Mapping[str, Any]) -> str:
-    line = (
-        f"{event.get('from')} -> {event.get('to')} ({event.get('outcome')}) "
-        f"after {float(event.get('phase_s') or 0):.2f} s"
-    )
-    if event.get("to") == "resuming":
-        line += f"; new layers {event.get('ranges_after')}"
-    if event.get("to") in ("idle", "failed"):
-        line += f"; total {float(event.get('total_s') or 0):.2f} s"
-        line += f"; layers in force {event.get('ranges_after') or event.get('ranges_before')}"
-    if event.get("detail"):
-        line += f": {event.get('detail')}"
+def _event_line(event: RepartitionEventRecord) -> str:
+    line = f"{event.from_} -> {event.to} ({event.outcome}) after {event.phase_s:.2f} s"
+    if event.to == ElasticState.RESUMING:
+        line += f"; new layers {event.ranges_after}"
+    if event.to in (ElasticState.IDLE, ElasticState.FAILED):
+        line += f"; total {event.total_s:.2f} s"
+        line += f"; layers in force {event.ranges_after or event.ranges_before}"
+    if event.detail:
+        line += f": {event.detail}"
     return line
 
 
@@ -269,141 +269,123 @@ def _dash() -> str:
     return "\u2014"
 
 
-def _text(value: Any, none: str = "unknown") -> str:
+def _text(value: object, none: str = "unknown") -> str:
     return none if value is None or value == "" else str(value)
 
 
-def _yes_no(value: Any, yes: str, no: str) -> str:
+def _yes_no(value: bool | None, yes: str, no: str) -> str:
     return "unknown" if value is None else (yes if value else no)
 
 
-def _identity(identity: Any) -> str:
-    if not isinstance(identity, Mapping):
+def _identity(identity: IdentityStatus | None) -> str:
+    if identity is None:
         return "not checked"
-    state = _text(identity.get("state"))
-    if identity.get("detail") and state != "verified":
-        return f"{state}: {identity['detail']}"
-    digest = identity.get("actual_sha256")
-    return f"{state} (sha256 {str(digest)[:16]})" if digest else state
+    state = _text(identity.state)
+    if identity.detail and state != "verified":
+        return f"{state}: {identity.detail}"
+    digest = identity.actual_sha256
+    return f"{state} (sha256 {digest[:16]})" if digest else state
 
 
-def _kv(used: Any, budget: Any) -> str:
-    if not isinstance(used, int):
+def _kv(used: int | None, budget: int | None) -> str:
+    if used is None:
         return "unknown"
-    if not isinstance(budget, int) or budget <= 0:
+    if budget is None or budget <= 0:
         return f"{used / MiB:.1f} MiB used, no budget"
     return f"{used / MiB:.1f} / {budget / MiB:.1f} MiB ({used / budget:.0%})"
 
 
-def _stage_card(stage: Mapping[str, Any]) -> list[str]:
+def _stage_card(stage: StageCard) -> list[str]:
     """One stage's card: a heading, then one aligned row per fact."""
     rows = (
-        ("layers", _text(stage.get("layers"))),
-        ("process", _yes_no(stage.get("process_alive"), "alive", "NOT RUNNING")),
-        ("transport", _yes_no(stage.get("transport_connected"), "connected", "NOT CONNECTED")),
-        ("in flight", _text(stage.get("in_flight"))),
-        ("KV cache", _kv(stage.get("kv_used_bytes"), stage.get("kv_budget_bytes"))),
-        ("weights", _text(stage.get("weights"))),
-        ("BLAS", _text(stage.get("blas"))),
-        ("elastic state", _text(stage.get("elastic_state"))),
-        ("config generation", _text(stage.get("config_generation"))),
-        ("last reload error", _text(stage.get("last_reload_error"), none="none")),
-        ("model identity", _identity(stage.get("identity"))),
+        ("layers", _text(stage.layers)),
+        ("process", _yes_no(stage.process_alive, "alive", "NOT RUNNING")),
+        ("transport", _yes_no(stage.transport_connected, "connected", "NOT CONNECTED")),
+        ("in flight", _text(stage.in_flight)),
+        ("KV cache", _kv(stage.kv_used_bytes, stage.kv_budget_bytes)),
+        ("weights", _text(stage.weights)),
+        ("BLAS", _text(stage.blas)),
+        ("elastic state", _text(stage.elastic_state)),
+        ("config generation", _text(stage.config_generation)),
+        ("last reload error", _text(stage.last_reload_error, none="none")),
+        ("model identity", _identity(stage.identity)),
     )
-    slots = [s for s in stage.get("slots") or () if isinstance(s, Mapping)]
+    slots = stage.slots
     rank = "  rank 0" if slots else ""
-    heading = (
-        f"stage {_text(stage.get('stage'))}{rank}  {_text(stage.get('node_id'))}  "
-        f"{_text(stage.get('address'))}"
-    )
+    heading = f"stage {_text(stage.stage)}{rank}  {_text(stage.node_id)}  {_text(stage.address)}"
     card = [heading, *(f"  {name:<18} {value}" for name, value in rows)]
     if slots:
-        card.append(f"  {'weights held':<18} {_mb(slots[0].get('parameter_bytes'))}")
+        card.append(f"  {'weights held':<18} {_mb(slots[0].parameter_bytes)}")
     for slot in slots[1:]:
         card += _slot_card(stage, slot)
     return card
 
 
-def _mb(value: Any) -> str:
-    return f"{value / 1e6:.1f} MB" if isinstance(value, int) else "unknown"
+def _mb(value: int | None) -> str:
+    return f"{value / 1e6:.1f} MB" if value is not None else "unknown"
 
 
-def _slot_card(stage: Mapping[str, Any], slot: Mapping[str, Any]) -> list[str]:
+def _slot_card(stage: StageCard, slot: SlotStatus) -> list[str]:
     """A tensor-parallel rank above 0: it runs every pass rank 0 runs, on its own shard."""
     rows = (
-        ("layers", f"{_text(stage.get('layers'))} (its shard)"),
-        ("process", _yes_no(stage.get("process_alive"), "alive (follows rank 0)", "NOT RUNNING")),
-        ("in flight", _text(stage.get("in_flight"))),
-        ("KV cache", _kv(slot.get("kv_used_bytes"), slot.get("kv_budget_bytes"))),
-        ("weights held", _mb(slot.get("parameter_bytes"))),
+        ("layers", f"{_text(stage.layers)} (its shard)"),
+        ("process", _yes_no(stage.process_alive, "alive (follows rank 0)", "NOT RUNNING")),
+        ("in flight", _text(stage.in_flight)),
+        ("KV cache", _kv(slot.kv_used_bytes, slot.kv_budget_bytes)),
+        ("weights held", _mb(slot.parameter_bytes)),
     )
-    heading = f"stage {_text(stage.get('stage'))}  rank {_text(slot.get('rank'))}  " + _text(
-        slot.get("node_id")
-    )
+    heading = f"stage {_text(stage.stage)}  rank {slot.rank}  {_text(slot.node_id)}"
     return ["", heading, *(f"  {name:<18} {value}" for name, value in rows)]
 
 
-def render_status(document: Mapping[str, Any], badge: str, detail: str, *, dash: str) -> str:
-    """The human-readable status: a badge line, the coordinator line, one card per stage."""
-    raw = document.get("coordinator")
-    coordinator: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
-    lines = [
-        f"cluster {_text(document.get('cluster'))}: {badge.upper()} {dash} {detail}",
-        "coordinator {node} (http {address}): admission {admission}, {flight} in flight, "
-        "{waiting} waiting, config generation {gen}, last reload {reload}".format(
-            node=_text(coordinator.get("node_id")),
-            address=_text(coordinator.get("http_address")),
-            admission=_text(coordinator.get("admission")),
-            flight=_text(coordinator.get("in_flight")),
-            waiting=_text(coordinator.get("waiting")),
-            gen=_text(coordinator.get("config_generation")),
-            reload=(
-                f"failed: {coordinator['last_reload_error']}"
-                if coordinator.get("last_reload_error")
-                else "ok"
-            ),
-        ),
-    ]
-    warnings = coordinator.get("warnings")
-    lines += [f"warning: {_text(w)}" for w in warnings] if isinstance(warnings, list) else []
-    if "elastic_enabled" in coordinator:
+def _coordinator_line(c: CoordinatorStatus) -> str:
+    return (
+        f"coordinator {_text(c.node_id)} (http {_text(c.http_address)}): admission "
+        f"{c.admission}, {c.in_flight} in flight, {c.waiting} waiting, config generation "
+        f"{_text(c.config_generation)}, last reload "
+        + (f"failed: {c.last_reload_error}" if c.last_reload_error else "ok")
+    )
+
+
+def _history(c: CoordinatorStatus) -> list[str]:
+    """Elastic repartitioning, the failovers and the last prepare, when there are any."""
+    lines = []
+    if c.elastic_enabled is not MISSING:
         elastic = "elastic repartitioning: " + (
-            f"{_text(coordinator.get('elastic_state'))}"
-            if coordinator.get("elastic_enabled")
-            else "off"
+            str(c.elastic_state) if c.elastic_enabled else "off"
         )
-        event = coordinator.get("last_repartition_event")
-        if isinstance(event, Mapping):
-            elastic += f"; last event: {_event_line(event)} ({event.get('trigger')})"
+        event = c.last_repartition_event
+        if event is not MISSING and event is not None:
+            elastic += f"; last event: {_event_line(event)} ({event.trigger})"
         lines.append(elastic)
-    failovers = coordinator.get("failovers")
-    if isinstance(failovers, list) and failovers:
-        last = failovers[-1] if isinstance(failovers[-1], Mapping) else {}
+    if c.failovers:
+        last = c.failovers[-1]
         lines.append(
-            f"failovers: {len(failovers)}; last: stage {_text(last.get('lost_stage'))} "
-            f"({_text(last.get('lost_node'))}) lost, {_text(last.get('outcome'))} after "
-            f"{float(last.get('seconds') or 0):.1f} s: {_text(last.get('detail'))}; "
-            f"{_text(last.get('sequences'))} sequences"
+            f"failovers: {len(c.failovers)}; last: stage {last.lost_stage} ({last.lost_node}) "
+            f"lost, {_text(last.outcome)} after {last.seconds:.1f} s: {_text(last.detail)}; "
+            f"{last.sequences} sequences"
         )
-    prepare = coordinator.get("prepare")
-    if isinstance(prepare, Mapping):
-        lines.append(f"prepare ({_text(prepare.get('reason'))}): {_text(prepare.get('state'))}")
-        nodes = prepare.get("nodes")
-        lines += (
-            [f"  {progress_line(n)}" for n in nodes if isinstance(n, Mapping)]
-            if isinstance(nodes, list)
-            else []
-        )
-    standbys = document.get("standbys")
-    if isinstance(standbys, list) and standbys:
+    if c.prepare is not None:
+        lines.append(f"prepare ({_text(c.prepare.reason)}): {c.prepare.state}")
+        lines += [f"  {progress_line(n)}" for n in c.prepare.nodes]
+    return lines
+
+
+def render_status(document: StatusDocument, *, dash: str) -> str:
+    """The human-readable status: a badge line, the coordinator line, one card per stage."""
+    coordinator = document.coordinator
+    lines = [
+        f"cluster {_text(document.cluster)}: {document.health.upper()} {dash} {document.detail}",
+        _coordinator_line(coordinator),
+        *(f"warning: {_text(w)}" for w in coordinator.warnings),
+        *_history(coordinator),
+    ]
+    if document.standbys:
         names = []
-        for standby in standbys:
-            if isinstance(standby, Mapping):
-                serving = standby.get("layers") and f"serving stage {_text(standby.get('stage'))}"
-                names.append(f"{_text(standby.get('node_id'))} ({serving or 'idle'})")
+        for standby in document.standbys:
+            serving = standby.layers and f"serving stage {_text(standby.stage)}"
+            names.append(f"{_text(standby.node_id)} ({serving or 'idle'})")
         lines.append("standby nodes: " + ", ".join(names))
-    stages = document.get("stages")
-    for stage in stages if isinstance(stages, list) else []:
-        if isinstance(stage, Mapping):
-            lines += ["", *_stage_card(stage)]
+    for stage in document.stages:
+        lines += ["", *_stage_card(stage)]
     return "\n".join(lines)

@@ -14,12 +14,14 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
+from mlxppd.cli.ctl_status import read_status
 from mlxppd.cli.ctl_target import Target, call
 from mlxppd.core.partition.sizes import parse_byte_size
-from mlxppd.http.admin_api import PREPARE_PATH, STATUS_PATH
+from mlxppd.core.status_document import PrepareNodeProgress
+from mlxppd.http.admin_api import PREPARE_PATH
 
 EXIT_OK, EXIT_FAILED = 0, 1
 MB = 1e6
@@ -78,43 +80,44 @@ def run_prepare(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     view = ProgressView(sys.stdout, sys.stdout.isatty())
     deadline = time.monotonic() + args.wait_timeout
     while time.monotonic() < deadline:
-        document = call(target, "GET", STATUS_PATH, args.timeout)
-        job = (document.get("coordinator") or {}).get("prepare") or {}
-        view.show(job.get("nodes") or [])
-        if job.get("state") in ("done", "failed"):
-            view.finish(job.get("nodes") or [])
-            return EXIT_OK if job.get("state") == "done" else EXIT_FAILED
+        job = read_status(target, args.timeout).coordinator.prepare
+        nodes = job.nodes if job is not None else ()
+        view.show(nodes)
+        if job is not None and job.state in ("done", "failed"):
+            view.finish(nodes)
+            return EXIT_OK if job.state == "done" else EXIT_FAILED
         time.sleep(0.5)
     print(f"mlxppctl: still preparing after {args.wait_timeout:g} s", file=sys.stderr)
     return EXIT_FAILED
 
 
-def _duration(seconds: Any) -> str:
-    if not isinstance(seconds, int | float):
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
         return "--"
     s = int(seconds)
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
-def progress_line(node: Mapping[str, Any], bar_width: int = 24) -> str:
+def _done(node: PrepareNodeProgress) -> int:
+    """Bytes the node holds of those it lacked: resumed plus sent."""
+    return node.bytes_resumed + node.bytes_sent
+
+
+def progress_line(node: PrepareNodeProgress, bar_width: int = 24) -> str:
     """One node's progress: bar, share, MB done of MB needed, rate, ETA, state."""
-    total = int(node.get("bytes_total") or 0)
-    done = int(node.get("bytes_resumed") or 0) + int(node.get("bytes_sent") or 0)
-    share = done / total if total else (1.0 if node.get("state") == "done" else 0.0)
+    total, done = node.bytes_total, _done(node)
+    share = done / total if total else (1.0 if node.state == "done" else 0.0)
     filled = round(share * bar_width)
     bar = "#" * filled + "." * (bar_width - filled)
-    state = str(node.get("state") or "waiting")
-    found = node.get("found")
-    if found:
-        state += f" ({found})"
-    if node.get("error"):
-        state += f": {node['error']}"
-    resumed = int(node.get("bytes_resumed") or 0)
-    extra = f", {resumed / MB:.1f} MB resumed" if resumed else ""
+    state = node.state or "waiting"
+    if node.found:
+        state += f" ({node.found})"
+    if node.error:
+        state += f": {node.error}"
+    extra = f", {node.bytes_resumed / MB:.1f} MB resumed" if node.bytes_resumed else ""
     return (
-        f"{node.get('node')!s:<16} [{bar}] {share:4.0%}  {done / MB:8.1f} / {total / MB:.1f} MB"
-        f"{extra}  {float(node.get('rate_bytes_s') or 0) / MB:6.1f} MB/s  "
-        f"ETA {_duration(node.get('eta_s'))}  {state}"
+        f"{node.node!s:<16} [{bar}] {share:4.0%}  {done / MB:8.1f} / {total / MB:.1f} MB"
+        f"{extra}  {node.rate_bytes_s / MB:6.1f} MB/s  ETA {_duration(node.eta_s)}  {state}"
     )
 
 
@@ -126,7 +129,7 @@ class ProgressView:
         self._drawn = 0
         self._last: dict[str, tuple[str, int]] = {}
 
-    def show(self, nodes: list[Mapping[str, Any]]) -> None:
+    def show(self, nodes: Sequence[PrepareNodeProgress]) -> None:
         if self.tty:
             if self._drawn:
                 self.out.write(f"\x1b[{self._drawn}F")  # back to the first bar
@@ -135,24 +138,21 @@ class ProgressView:
             self._drawn = len(nodes)
         else:
             for node in nodes:
-                total = int(node.get("bytes_total") or 0)
-                done = int(node.get("bytes_resumed") or 0) + int(node.get("bytes_sent") or 0)
-                key = (str(node.get("state")), (10 * done // total) if total else 0)
-                if self._last.get(str(node.get("node"))) != key:
-                    self._last[str(node.get("node"))] = key
+                total = node.bytes_total
+                key = (node.state, (10 * _done(node) // total) if total else 0)
+                if self._last.get(node.node) != key:
+                    self._last[node.node] = key
                     self.out.write(progress_line(node) + "\n")
         self.out.flush()
 
-    def finish(self, nodes: list[Mapping[str, Any]]) -> None:
+    def finish(self, nodes: Sequence[PrepareNodeProgress]) -> None:
         for node in nodes:
-            if node.get("state") == "done":
-                sent = int(node.get("bytes_sent") or 0)
-                whole = int(node.get("stage_bytes") or 0)
+            if node.state == "done":
                 self.out.write(
-                    f"{node.get('node')}: holds the cluster's copy of layers "
-                    f"{node.get('layers')} ({node.get('found') or 'checked'}); {sent / MB:.1f} MB "
-                    f"sent of the stage's {whole / MB:.1f} MB\n"
+                    f"{node.node}: holds the cluster's copy of layers {list(node.layers)} "
+                    f"({node.found or 'checked'}); {node.bytes_sent / MB:.1f} MB sent of the "
+                    f"stage's {node.stage_bytes / MB:.1f} MB\n"
                 )
             else:
-                self.out.write(f"{node.get('node')}: FAILED: {node.get('error')}\n")
+                self.out.write(f"{node.node}: FAILED: {node.error}\n")
         self.out.flush()

@@ -63,9 +63,9 @@ def model_classes(config: dict[str, Any]) -> tuple[Any, Any]:
     """mlx-lm's (Model, ModelArgs) classes for a config.
 
     A family this build runs whose model_type names an mlx-lm models module is that module,
-    as mlx-lm's own lookup finds it (``tests/engine/test_family_parity.py`` checks they agree), without
-    importing ``mlx_lm.utils`` and ``transformers`` with it; other types (remapped ones, such as
-    mistral) go through mlx-lm's lookup."""
+    as mlx-lm's own lookup finds it (``tests/engine/test_family_parity.py`` checks they
+    agree), without importing ``mlx_lm.utils`` and ``transformers`` with it; other types
+    (remapped ones, such as mistral) go through mlx-lm's lookup."""
     model_type = str(config.get("model_type"))
     if model_type in FAMILIES and importlib.util.find_spec(f"mlx_lm.models.{model_type}"):
         module = importlib.import_module(f"mlx_lm.models.{model_type}")

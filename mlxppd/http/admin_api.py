@@ -3,9 +3,11 @@
 Every route checks an ``MLXPP-HMAC`` signature made with a key derived from the cluster secret
 (``mlxppd.wire.admin_auth``), bound to the cluster's name and to a ``Host`` header that names
 this server; the OpenAI API key plays no part here, and an admin signature opens nothing under
-/v1. Only ``GET /admin/v1/challenge`` is unsigned: it says which cluster name to sign for. The
-runtime supplies an ``AdminController``; docs/admin-api.md is the reference for the routes and
-the status document.
+/v1. Only two routes are unsigned: ``GET /admin/v1/challenge`` says which cluster name to sign
+for, and ``GET /admin/v1/openapi.json`` is the routes' OpenAPI document (``admin_openapi.py``).
+The runtime supplies an ``AdminController``; the status document it returns is the frozen
+model of ``mlxppd/core/status_document.py``, served as its JSON; docs/admin-api.md is the
+reference for the routes and the status document.
 """
 
 from __future__ import annotations
@@ -16,13 +18,31 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Annotated, Any, Protocol
+from typing import Any, Protocol
 
 from aiohttp import web
-from pydantic import Field, ValidationError
+from pydantic import ValidationError
 
 from mlxppd.core.agent.health import overall_health
-from mlxppd.core.strict import StrictModel
+from mlxppd.core.status_document import ClusterStatus, RepartitionEvents, StatusDocument
+from mlxppd.http.admin_models import (
+    ADAPTERS_PATH,
+    ADAPTERS_UNLOAD_PATH,
+    ADMIN_OPENAPI_PATH,
+    ADMIN_PREFIX,
+    CHALLENGE_PATH,
+    DRAIN_PATH,
+    EVENTS_PATH,
+    PREPARE_PATH,
+    REPARTITION_PATH,
+    RESUME_PATH,
+    STATUS_PATH,
+    AdapterLoadRequest,
+    AdapterUnloadRequest,
+    PrepareRequest,
+    RepartitionRequest,
+)
+from mlxppd.http.admin_openapi import admin_openapi_text
 from mlxppd.http.errors import ApiError, error_response
 from mlxppd.runtime.observability.metrics import PipelineMetrics
 from mlxppd.runtime.system.host_addresses import is_local_address
@@ -36,32 +56,30 @@ from mlxppd.wire.admin_auth import (
 )
 
 __all__ = [
+    "ADAPTERS_PATH",
+    "ADAPTERS_UNLOAD_PATH",
+    "ADMIN_OPENAPI_PATH",
     "ADMIN_PREFIX",
     "CHALLENGE_PATH",
     "DRAIN_PATH",
-    "MAX_ADMIN_BODY_BYTES",
     "EVENTS_PATH",
+    "MAX_ADMIN_BODY_BYTES",
+    "PREPARE_PATH",
     "REPARTITION_PATH",
     "RESUME_PATH",
     "STATUS_PATH",
+    "AdapterLoadRequest",
+    "AdapterUnloadRequest",
     "AdminApi",
     "AdminController",
+    "PrepareRequest",
+    "RepartitionRequest",
     "add_admin_routes",
+    "status_document",
 ]
 
 log = logging.getLogger("mlxppd.http.admin")
 
-ADMIN_PREFIX = "/admin/"
-STATUS_PATH = "/admin/v1/status"
-DRAIN_PATH = "/admin/v1/drain"
-RESUME_PATH = "/admin/v1/resume"
-REPARTITION_PATH = "/admin/v1/repartition"
-EVENTS_PATH = "/admin/v1/repartition/events"
-PREPARE_PATH = "/admin/v1/prepare"
-ADAPTERS_PATH = "/admin/v1/adapters"
-ADAPTERS_UNLOAD_PATH = "/admin/v1/adapters/unload"
-#: the one unsigned route: which cluster name to sign for (no secret, no state)
-CHALLENGE_PATH = "/admin/v1/challenge"
 #: admin requests carry no real payload; refuse anything bigger before hashing it
 MAX_ADMIN_BODY_BYTES = 64 * 1024
 
@@ -82,7 +100,7 @@ _MESSAGES = {
 class AdminController(Protocol):
     """What the admin routes drive; the coordinator's runtime implements it."""
 
-    async def status(self) -> dict[str, Any]:
+    async def status(self) -> ClusterStatus:
         """The status document (docs/admin-api.md), without "health" and "detail"."""
         ...
 
@@ -101,8 +119,8 @@ class AdminController(Protocol):
         ``{"accepted": false, "reason": ..., "message": ...}``."""
         ...
 
-    async def events(self, after: int) -> dict[str, Any]:
-        """``{"state": ..., "events": [...]}``: repartition events numbered above ``after``."""
+    async def events(self, after: int) -> RepartitionEvents:
+        """The elastic state and the repartition events numbered above ``after``."""
         ...
 
     async def prepare(
@@ -120,46 +138,6 @@ class AdminController(Protocol):
     async def adapter_unload(self, name: str, drain_timeout_s: float) -> dict[str, Any]:
         """Drain one adapter's requests, then drop it on every stage."""
         ...
-
-
-class AdapterLoadRequest(StrictModel):
-    """The body of POST /admin/v1/adapters."""
-
-    name: str = Field(min_length=1, max_length=64, description="what requests send as model")
-    path: str = Field(
-        min_length=1, max_length=4096, description="the adapter directory, on every stage host"
-    )
-
-
-class AdapterUnloadRequest(StrictModel):
-    """The body of POST /admin/v1/adapters/unload."""
-
-    name: str = Field(min_length=1, max_length=64)
-    drain_timeout_s: float = Field(
-        60.0, gt=0, le=86400, description="how long its running requests may take (seconds)"
-    )
-
-
-class RepartitionRequest(StrictModel):
-    """The body of POST /admin/v1/repartition."""
-
-    stage_memory: list[int | None] | None = Field(
-        None, max_length=1024, description="memory budget per stage in bytes (null: unlimited)"
-    )
-    pp_layers: str | None = Field(
-        None, min_length=1, max_length=8192, description='inclusive ranges, e.g. "0-9,10-29"'
-    )
-
-
-class PrepareRequest(StrictModel):
-    """The body of POST /admin/v1/prepare."""
-
-    max_rate_bytes_s: float | None = Field(
-        None, gt=0, le=1e12, description="send at most this many bytes per second to each node"
-    )
-    nodes: list[Annotated[str, Field(min_length=1, max_length=128)]] | None = Field(
-        None, max_length=1024, description="node ids to prepare (null: every stage node)"
-    )
 
 
 @dataclass(frozen=True)
@@ -192,6 +170,12 @@ def signed_admin_api(
     return AdminApi(controller, verifier, count_auth_failure)
 
 
+def status_document(status: ClusterStatus) -> StatusDocument:
+    """``status`` with its health badge and the reason for it (``core/agent/health.py``)."""
+    badge, detail = overall_health(status.model_dump(mode="json"))
+    return StatusDocument.model_validate({**dict(status), "health": badge, "detail": detail})
+
+
 @functools.lru_cache(maxsize=128)
 def _is_local(name: str) -> bool:
     # A name may need DNS; only signed requests get here, and the answer is kept.
@@ -219,14 +203,11 @@ def add_admin_routes(
     on_auth_failure: Callable[[str], None] | None = None,
 ) -> None:
     """Add the admin routes (docs/admin-api.md) to ``app``: every one signed but the
-    challenge."""
+    challenge and the OpenAPI document."""
 
     async def status(request: web.Request) -> web.Response:
-        document = dict(await controller.status())
-        badge, detail = overall_health(document)
-        document["health"] = badge
-        document["detail"] = detail
-        return _json(document)
+        document = status_document(await controller.status())
+        return _json(document.model_dump(mode="json"))
 
     async def drain(request: web.Request) -> web.Response:
         return _json(await controller.drain())
@@ -264,7 +245,7 @@ def add_admin_routes(
             after = int(request.query.get("after", "-1"))
         except ValueError:
             return error_response(ApiError(400, "after must be an integer", code="invalid_after"))
-        return _json(await controller.events(after))
+        return _json((await controller.events(after)).model_dump(mode="json"))
 
     def guarded(route: str, action: Callable[[web.Request], Awaitable[web.Response]]) -> Handler:
         return _guarded(route, action, verifier, on_auth_failure)
@@ -272,7 +253,14 @@ def add_admin_routes(
     async def challenge_route(request: web.Request) -> web.Response:
         return _json({"scheme": SCHEME, "cluster": verifier.cluster_name})
 
+    openapi_body = admin_openapi_text().encode()
+
+    async def openapi_route(request: web.Request) -> web.Response:
+        return web.Response(body=openapi_body, content_type="application/json", charset="utf-8")
+
     app.router.add_get(CHALLENGE_PATH, challenge_route, allow_head=False)
+    # Unsigned like the challenge: the shape of the routes, the same for every cluster.
+    app.router.add_get(ADMIN_OPENAPI_PATH, openapi_route, allow_head=False)
 
     app.router.add_get(STATUS_PATH, guarded(STATUS_PATH, status), allow_head=False)
     app.router.add_post(DRAIN_PATH, guarded(DRAIN_PATH, drain))

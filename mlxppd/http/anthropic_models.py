@@ -19,6 +19,7 @@ from mlxppd.http.requests import (
     MAX_MESSAGES,
     ApiModel,
     Name,
+    bounded_messages,
     stop_strings,
     text_parts,
     unsupported,
@@ -191,14 +192,7 @@ class Conversation(ApiModel):
     @field_validator("messages", mode="before")
     @classmethod
     def _bounded(cls, value: Any) -> Any:
-        # Checked before the items: 100,000 tiny messages must not cost 100,000 validations.
-        if isinstance(value, list) and len(value) > MAX_MESSAGES:
-            raise PydanticCustomError(
-                "invalid_value",
-                "takes at most {most} messages, got {got}",
-                {"most": MAX_MESSAGES, "got": len(value)},
-            )
-        return value
+        return bounded_messages(value)
 
 
 class MessagesRequest(Conversation):

@@ -4,7 +4,7 @@ These describe exactly what ``responses.Shape`` and ``openai_api`` build: the sa
 same nullability (a key that is always sent with ``null`` is required and nullable; a key that
 is sometimes left out is optional), nothing else (``extra="forbid"``, so a field added to the
 server without being added here fails the tests). ``openapi.py`` builds the OpenAPI document
-from them; ``tests/test_openapi.py`` validates real responses of a live server against them.
+from them; ``tests/http/test_openapi.py`` validates real responses of a live server against them.
 """
 
 from __future__ import annotations

@@ -1,15 +1,21 @@
-"""The OpenAI-compatible app's state: what every handler (OpenAI and Anthropic routes) reads."""
+"""The HTTP app's state: what the base app's middleware and every API's handlers read."""
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from aiohttp import web
 
-from mlxppd.runtime.backends.contract import GenerationBackend
+from mlxppd.http.errors import OPENAI_ERRORS, ErrorShape
+from mlxppd.runtime.backends.contract import BackendUnavailable, GenerationBackend
 from mlxppd.runtime.observability.metrics import PipelineMetrics
+
+T = TypeVar("T")
 
 #: requests handled at once; more get a 503 with Retry-After (the KV budget admits fewer)
 DEFAULT_MAX_IN_FLIGHT = 256
@@ -36,6 +42,9 @@ class ApiState:
     tokenize: ThreadPoolExecutor | None = None
     #: request counters (None: metrics off)
     metrics: PipelineMetrics | None = None
+    #: per path root (that path and those below it): the error shape of the API served there;
+    #: OpenAI's everywhere else
+    error_shapes: dict[str, ErrorShape] = field(default_factory=dict)
 
     def context(self) -> int | None:
         if self.context_tokens is not None:
@@ -44,6 +53,24 @@ class ApiState:
         if isinstance(known, int) and 0 < known < _CONTEXT_SANITY:
             return known
         return None
+
+    def loaded_tokenizer(self) -> Any:
+        """The backend's tokenizer; a 503 while the model is still loading."""
+        tokenizer = self.backend.tokenizer
+        if tokenizer is None:
+            raise BackendUnavailable("the model is still loading; retry shortly")
+        return tokenizer
+
+    async def off_loop(self, fn: Callable[[], T]) -> T:
+        """``fn()`` on the tokenizer thread (``tokenize``), away from the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize, fn)
+
+    def error_shape(self, path: str) -> ErrorShape:
+        """How an error answering ``path`` is written."""
+        for root, shape in self.error_shapes.items():
+            if path == root or path.startswith(root + "/"):
+                return shape
+        return OPENAI_ERRORS
 
 
 STATE = web.AppKey("mlxpp_openai_state", ApiState)

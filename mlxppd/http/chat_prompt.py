@@ -18,6 +18,11 @@ _PROBE = [{"role": "user", "content": "x"}]
 _NATIVE: dict[int, bool] = {}
 
 
+def has_chat_template(tokenizer: Any) -> bool:
+    """Whether the tokenizer has a chat template to render a conversation with."""
+    return bool(getattr(tokenizer, "has_chat_template", None) or tokenizer.chat_template)
+
+
 def renders_tools(tokenizer: Any, tools: Sequence[ToolDef]) -> bool:
     key = id(tokenizer)
     if key not in _NATIVE:

@@ -113,6 +113,36 @@ def safe_logprob(value: float | None) -> float | None:
     return value if math.isfinite(value) else MIN_LOGPROB
 
 
+class ContinuedText:
+    """A streaming detokenizer for text that continues the prompt's last tokens (a prefill).
+
+    A detokenizer on its own drops the leading space of its first token, which is right for a
+    new turn but loses the space between a prefill and its continuation. This one reads the
+    continuation after the prompt's last tokens and hands out only what follows their text, so
+    the seam is spaced as in the whole text."""
+
+    def __init__(self, tokenizer: Any, context: Sequence[int]) -> None:
+        probe = tokenizer.detokenizer  # a fresh copy per access
+        for token in context:
+            probe.add_token(token)
+        probe.finalize()
+        self._cut = len(probe.text)
+        self._inner = tokenizer.detokenizer
+        for token in context:
+            self._inner.add_token(token)
+
+    def add_token(self, token: int) -> None:
+        self._inner.add_token(token)
+
+    def finalize(self) -> None:
+        self._inner.finalize()
+
+    @property
+    def text(self) -> str:
+        text: str = self._inner.text
+        return text[self._cut :]
+
+
 class Generation:
     """Drives ``backend.generate`` for one request and turns its tokens into text pieces."""
 
@@ -123,12 +153,17 @@ class Generation:
         prompt_tokens: int,
         stop: Sequence[str] = (),
         is_gone: Callable[[], bool] = lambda: False,
+        *,
+        continues: Sequence[int] = (),
     ) -> None:
-        """``events``: one choice's tokens, as the backend's ``generate`` yields them."""
+        """``events``: one choice's tokens, as the backend's ``generate`` yields them;
+        ``continues``: the prompt's last tokens when the text goes on from them (a prefill)."""
         self._events = events
         self._tokenizer = tokenizer
         # mlx-lm's TokenizerWrapper hands out a fresh (reset) copy on every access.
-        self._detok = tokenizer.detokenizer
+        self._detok: Any = (
+            ContinuedText(tokenizer, continues) if continues else tokenizer.detokenizer
+        )
         self._eos = set(tokenizer.eos_token_ids)
         self._stop = StopMatcher(stop)
         self._is_gone = is_gone
@@ -171,6 +206,37 @@ class Generation:
         async for event in self._events:
             yield event
 
+    def _stopped(self, text: str, emitted: int) -> int | None:
+        """Where the text ends when a stop string is in it (the generation is over), else None."""
+        hit = self._stop.feed(text)
+        if hit is None:
+            return None
+        self.finish_reason = "stop"
+        self.text = text[: max(hit, emitted)]
+        return max(hit, emitted)
+
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string that ended the text (the shortest of those found where it was cut),
+        or None when none did."""
+        start = self._stop.hit
+        if start is None:
+            return None
+        text = self._detok.text  # the text as generated, the stop string still in it
+        found = [s for s in self._stop.stops if text.startswith(s, start)]
+        return min(found, key=len) if found else self._stop.stops[0]
+
+    async def collect(self) -> list[TokenInfo]:
+        """Run to the end, not streaming: every token (``text`` is then the whole text)."""
+        pieces = self.pieces()
+        tokens: list[TokenInfo] = []
+        try:
+            async for piece in pieces:
+                tokens.extend(piece.tokens)
+        finally:
+            await pieces.aclose()
+        return tokens
+
     async def pieces(self) -> AsyncGenerator[Piece, None]:
         """Text pieces in order; ``finish_reason`` and the counts are final once this ends."""
         emitted = 0
@@ -204,20 +270,14 @@ class Generation:
                 )
             )
             text = self._detok.text
-            hit = self._stop.feed(text)
-            if hit is not None:
-                self.finish_reason = "stop"
-                self.text = text[: max(hit, emitted)]
-                yield take(max(hit, emitted))
+            if (end := self._stopped(text, emitted)) is not None:
+                yield take(end)
                 return
             yield take(max(emitted, len(text) - self._stop.holdback))
         self._detok.finalize()
         text = self._detok.text
-        hit = self._stop.feed(text)
-        if hit is not None:
-            self.finish_reason = "stop"
-            self.text = text[: max(hit, emitted)]
-            yield take(max(hit, emitted))
+        if (end := self._stopped(text, emitted)) is not None:
+            yield take(end)
             return
         # The generation is over: everything held back is final, including tokens whose text
         # never showed (e.g. a lone partial character).

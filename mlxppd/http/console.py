@@ -51,6 +51,8 @@ _INDEX = """<!doctype html>
 <body><h1>mlxpp coordinator</h1><ul>
 <li><a href="/console">Web console</a>: the cluster at a glance, live</li>
 <li><a href="/openapi.json">OpenAPI document</a> of the HTTP API (<code>/v1</code>)</li>
+<li><a href="/admin/v1/openapi.json">OpenAPI document</a> of the signed admin API
+(<code>/admin/v1</code>)</li>
 <li><a href="/health">Health</a></li>
 </ul></body></html>
 """

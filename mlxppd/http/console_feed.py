@@ -1,11 +1,12 @@
 """What the web console shows, gathered in one place (``http/console.py`` serves it).
 
-A snapshot is the admin status document with its health badge, each stage's busy and bubble
-fractions, the layer plan as bytes against budgets, the history of repartitions, failovers
-and prepares, the start timeline and the chart series. The feed samples the metrics every
-``interval_s`` (so the charts cover the last minutes before a page opened) and, while a page
-listens, builds one snapshot per tick and hands it to every listener: one status round trip
-to the stages per tick, however many pages are open.
+A snapshot is the admin status document with its health badge (``ConsoleStatus``: the model
+of ``core/status_document.py``, each stage card with its busy and bubble fractions added), the
+layer plan as bytes against budgets, the history of repartitions, failovers and prepares, the
+start timeline and the chart series. The feed samples the metrics every ``interval_s`` (so the
+charts cover the last minutes before a page opened) and, while a page listens, builds one
+snapshot per tick and hands it to every listener: one status round trip to the stages per tick,
+however many pages are open.
 """
 
 from __future__ import annotations
@@ -20,14 +21,14 @@ from typing import Any
 
 from pydantic import Field
 
-from mlxppd.core.agent.health import overall_health
 from mlxppd.core.console_series import Point, Reading, point_between
 from mlxppd.core.errors import MlxppError
 from mlxppd.core.layer_ranges import LayerRange
 from mlxppd.core.partition.plan import balance_layers, parse_stage_memory, plan_layers
 from mlxppd.core.profile.model import ModelProfile
+from mlxppd.core.status_document import StageCard, StatusDocument
 from mlxppd.core.strict import StrictModel
-from mlxppd.http.admin_api import AdminController
+from mlxppd.http.admin_api import AdminController, status_document
 from mlxppd.runtime.observability.metrics import PipelineMetrics
 from mlxppd.runtime.observability.timeline import StartTimeline
 
@@ -50,6 +51,23 @@ class WhatIf(StrictModel):
     stage_memory: str | None = Field(
         None, min_length=1, max_length=4096, description='budget per stage, e.g. "8GiB,4GiB"'
     )
+
+
+class ConsoleStageCard(StageCard):
+    """A stage card as the console shows it: the admin document's, with the stage's share of
+    the metrics' window."""
+
+    busy_fraction: float | None = Field(ge=0, le=1)
+    """the fraction of wall time the stage computed; null without metrics for it"""
+    bubble_fraction: float | None = Field(ge=0, le=1)
+    """the fraction of the time it held sequences that it waited for input; null likewise"""
+
+
+class ConsoleStatus(StatusDocument):
+    """The status document of ``GET /console/v1/state`` and the stream's ticks."""
+
+    stages: tuple[ConsoleStageCard, ...]
+    """the pipeline as it serves now, in stage order, with busy and bubble fractions"""
 
 
 class ConsoleFeed:
@@ -126,19 +144,12 @@ class ConsoleFeed:
     async def snapshot(self, *, series: bool = True) -> dict[str, Any]:
         """Everything the page shows; ``series``: the whole chart history, else none (a tick
         carries only its new point)."""
-        status = dict(await self.controller.status())
-        status["health"], status["detail"] = overall_health(status)
-        views = {v.report.stage: v for v in self.metrics.stage_view()} if self.metrics else {}
-        for card in status.get("stages", []):
-            view = views.get(card.get("stage")) if card.get("stage") is not None else None
-            card["busy_fraction"] = round(view.busy_fraction, 4) if view else None
-            card["bubble_fraction"] = round(view.bubble_fraction, 4) if view else None
-        events = (await self.controller.events(-1)).get("events", [])
-        held = {c.get("weights") for c in status.get("stages", [])}
-        self._held = "float32" if "float32" in held else "native"
+        status = await self.status()
+        events = (await self.controller.events(-1)).model_dump(mode="json")["events"]
+        self._held = "float32" if any(c.weights == "float32" for c in status.stages) else "native"
         document: dict[str, Any] = {
             "at": round(self._clock(), 3),
-            "status": status,
+            "status": status.model_dump(mode="json"),
             "plan": self.current_plan(status),
             "repartitions": events,
             "timeline": self.timeline.to_json() if self.timeline is not None else [],
@@ -147,18 +158,34 @@ class ConsoleFeed:
             document["series"] = self.series()
         return document
 
-    def current_plan(self, status: dict[str, Any]) -> dict[str, Any] | None:
+    async def status(self) -> ConsoleStatus:
+        """The admin status document, each stage card with its busy and bubble fractions."""
+        document = status_document(await self.controller.status())
+        views = {v.report.stage: v for v in self.metrics.stage_view()} if self.metrics else {}
+        cards = []
+        for card in document.stages:
+            view = views.get(card.stage) if card.stage is not None else None
+            cards.append(
+                ConsoleStageCard(
+                    **dict(card),
+                    busy_fraction=round(view.busy_fraction, 4) if view else None,
+                    bubble_fraction=round(view.bubble_fraction, 4) if view else None,
+                )
+            )
+        return ConsoleStatus(**{**dict(document), "stages": tuple(cards)})
+
+    def current_plan(self, status: StatusDocument) -> dict[str, object] | None:
         """The plan in force as bars: each stage's weight bytes (as it reported them, else
         the estimate from config.json) against its memory budget, with the partitioner's
         warnings for it."""
         profile = self._profile()
         if profile is None:
             return None
-        cards = [c for c in status.get("stages", []) if c.get("layers")]
+        cards = [c for c in status.stages if c.layers]
         try:
             ranges = [LayerRange(int(a), int(b) + 1) for a, b in
-                      (str(c["layers"]).split("-") for c in cards)]  # fmt: skip
-            budgets = [c.get("memory_budget_bytes") for c in cards]
+                      (str(c.layers).split("-") for c in cards)]  # fmt: skip
+            budgets = [c.memory_budget_bytes for c in cards]
             plan = plan_layers(profile, ranges, budgets) if ranges else None
         except (MlxppError, ValueError):
             return None  # a card mid-move; the next tick has a consistent chain
@@ -166,21 +193,19 @@ class ConsoleFeed:
             return None
         stages = []
         for card, assigned in zip(cards, plan.stages, strict=True):
-            held = card.get("parameter_bytes")
+            held = card.parameter_bytes
             stages.append(
                 {
-                    "stage": card.get("stage"),
-                    "node_id": card.get("node_id"),
-                    "layers": card.get("layers"),
+                    "stage": card.stage,
+                    "node_id": card.node_id,
+                    "layers": card.layers,
                     "bytes": held if held is not None else assigned.estimated_memory_bytes,
                     "measured": held is not None,
                     "budget_bytes": assigned.budget_bytes,
                 }
             )
-        # The coordinator's own pre-launch warnings when it gives them (an empty list too).
-        given = status.get("coordinator", {}).get("warnings")
-        warnings = list(given if given is not None else plan.warnings)
-        return {"stages": stages, "warnings": warnings}
+        # The coordinator's own pre-launch warnings (an empty list too).
+        return {"stages": stages, "warnings": list(status.coordinator.warnings)}
 
     def what_if(self, request: WhatIf) -> dict[str, Any]:
         """The plan the partitioner would make for ``request``; nothing changes. Raises

@@ -1,13 +1,15 @@
-"""OpenAI-style error bodies: ``{"error": {"message", "type", "param", "code", ...}}``.
+"""API errors: ``ApiError``, which every handler raises, and how an API writes one.
 
-Handlers raise ``ApiError``; the app's middleware turns it (and the backend's own errors) into
-a JSON response, or into a final SSE event once a stream has started.
+Handlers raise ``ApiError``; the base app's middleware (``http/base_app.py``) turns it (and the
+backend's own errors) into a response in the ``ErrorShape`` of the API whose path was asked,
+or into a stream's final event once a stream has started. OpenAI's shape, the default, is
+``{"error": {"message", "type", "param", "code", ...}}``.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
@@ -131,3 +133,24 @@ def error_response(error: ApiError, request_id: str | None = None) -> web.Respon
     if request_id:
         headers["X-Request-Id"] = request_id
     return web.json_response(error.body(), status=error.status, headers=headers)
+
+
+class ErrorShape(Protocol):
+    """How one API writes an error: as its response, and as a stream's last event."""
+
+    def body(self, error: ApiError, request_id: str | None = None) -> dict[str, Any]: ...
+
+    def response(self, error: ApiError, request_id: str | None = None) -> web.Response: ...
+
+
+class OpenAIErrors:
+    """OpenAI's ``{"error": {...}}``; the request id travels in ``X-Request-Id`` alone."""
+
+    def body(self, error: ApiError, request_id: str | None = None) -> dict[str, Any]:
+        return error.body()
+
+    def response(self, error: ApiError, request_id: str | None = None) -> web.Response:
+        return error_response(error, request_id)
+
+
+OPENAI_ERRORS: ErrorShape = OpenAIErrors()

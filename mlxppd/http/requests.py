@@ -251,6 +251,18 @@ class _Common(ApiModel):
         return value
 
 
+def bounded_messages(value: Any) -> Any:
+    """A request's ``messages``, refused when too many before any is validated: 100,000 tiny
+    messages must not cost 100,000 validations."""
+    if isinstance(value, list) and len(value) > MAX_MESSAGES:
+        raise PydanticCustomError(
+            "invalid_value",
+            "takes at most {most} messages, got {got}",
+            {"most": MAX_MESSAGES, "got": len(value)},
+        )
+    return value
+
+
 class ChatCompletionRequest(_Common):
     """POST /v1/chat/completions."""
 
@@ -267,14 +279,7 @@ class ChatCompletionRequest(_Common):
     @field_validator("messages", mode="before")
     @classmethod
     def _bounded(cls, value: Any) -> Any:
-        # Checked before the items: 100,000 tiny messages must not cost 100,000 validations.
-        if isinstance(value, list) and len(value) > MAX_MESSAGES:
-            raise PydanticCustomError(
-                "invalid_value",
-                "takes at most {most} messages, got {got}",
-                {"most": MAX_MESSAGES, "got": len(value)},
-            )
-        return value
+        return bounded_messages(value)
 
 
 class CompletionRequest(_Common):

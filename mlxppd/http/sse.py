@@ -1,13 +1,23 @@
-"""Server-sent events the way OpenAI streams: ``data: {json}\\n\\n`` ... ``data: [DONE]\\n\\n``."""
+"""Server-sent events the way OpenAI streams: ``data: {json}\\n\\n`` ... ``data: [DONE]\\n\\n``,
+with named events as Anthropic streams them; ``failures_end_stream`` around a stream turns a
+failure after its headers into its last event."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
+from mlxppd.http.base_app import request_log
 from mlxppd.http.completion import ClientGone
+from mlxppd.http.errors import ApiError, from_backend_error
+from mlxppd.runtime.backends.contract import AdmissionRejected, BackendUnavailable
+
+log = logging.getLogger("mlxppd.http")
 
 
 def _encode(payload: Any) -> bytes:
@@ -59,3 +69,24 @@ class SseWriter:
             await self.response.write_eof()
         except ConnectionError as exc:
             raise ClientGone() from exc
+
+
+@contextlib.asynccontextmanager
+async def failures_end_stream(
+    request: web.Request, send_error: Callable[[ApiError], Awaitable[None]]
+) -> AsyncIterator[None]:
+    """Around a stream whose headers are sent: a closed client is noted in the request's log
+    line; any other failure is logged and sent as the stream's last event (``send_error``, in
+    the API's shape), so the client sees a failure rather than a silent end."""
+    info = request_log(request)
+    try:
+        yield
+    except ClientGone:
+        info.note = "client closed the stream"
+    except Exception as exc:
+        error = from_backend_error(exc)
+        if error.status >= 500 and not isinstance(exc, AdmissionRejected | BackendUnavailable):
+            log.exception("%s stream failed", info.request_id)
+        info.note = f"stream ended by error: {error.message}"
+        with contextlib.suppress(ClientGone):
+            await send_error(error)

@@ -240,6 +240,10 @@ class ToolPlan:
         """The JSON schema decoding is held to, for a forced call."""
         return call_schema(self.forced) if self.forced else None
 
+    def holdback(self) -> ContentHoldback | None:
+        """Streaming: what holds back text that may begin a call (None without tools)."""
+        return ContentHoldback(bool(self.forced)) if self.active else None
+
     def finish(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """The generated text as content and calls (a forced call's text is its JSON)."""
         if self.forced:

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from mlxppd.core.protocol.sampling import GrammarSpec
 from mlxppd.http.errors import ApiError, invalid
+from mlxppd.http.generation import GenerationRequest
 from mlxppd.http.requests import (
     ApiModel,
     ChatCompletionRequest,
@@ -32,29 +33,12 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 M = TypeVar("M", bound=ApiModel)
 
 
-@dataclass(frozen=True)
-class ParsedRequest:
-    """The fields both endpoints share, already checked."""
+@dataclass(frozen=True, kw_only=True)
+class ParsedRequest(GenerationRequest):
+    """A chat or completions request, checked: what it asks of the model, plus its own."""
 
-    model: str | None
-    max_tokens: int | None
-    temperature: float
-    top_p: float
-    seed: int | None
-    stop: tuple[str, ...]
     stream: bool
     include_usage: bool
-    logprobs: bool
-    n: int = 1
-    top_logprobs: int = 0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    #: the output constrained to JSON (response_format json_object / json_schema)
-    grammar: GrammarSpec | None = None
     #: chat: the tools the model may call, and how (None: auto when there are tools)
     tools: tuple[ToolDef, ...] = ()
     tool_choice: ToolChoice | None = None

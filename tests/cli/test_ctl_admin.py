@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 
 from mlxppd.runtime.local_cluster import free_port
-from tests.http.test_admin_api import SECRET, AdminServer, ScriptedCluster
+from tests.support.admin_server import SECRET, AdminServer, ScriptedCluster, status_document
 from tests.support.http import LoopThread
 from tests.support.paths import REPO_ROOT
 
@@ -111,7 +111,7 @@ def test_status_json_is_the_document_with_health(
     )
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
-    assert list(doc) == ["cluster", "coordinator", "stages", "health", "detail"]
+    assert list(doc) == ["cluster", "coordinator", "stages", "standbys", "health", "detail"]
     assert doc["health"] == "healthy"
     assert len(doc["stages"]) == 2
 
@@ -393,21 +393,29 @@ def test_a_redirect_is_an_error_naming_the_location_and_is_never_followed(
 def test_status_text_shows_each_partition_warning_on_its_own_line() -> None:
     from mlxppd.cli.ctl_admin import render_status
 
-    document = {
-        "cluster": "c",
-        "coordinator": {
-            "node_id": "coordinator",
-            "warnings": [
-                "3 stages over TCP: each extra TCP hop adds latency",
-                "model family 'jamba' is outside the best-tested set",
-            ],
-        },
-        "stages": [],
-    }
-    lines = render_status(document, "healthy", "ok", dash="-").splitlines()
+    warnings = [
+        "3 stages over TCP: each extra TCP hop adds latency",
+        "model family 'jamba' is outside the best-tested set",
+    ]
+    document = status_document(0, cluster="c", coordinator={"warnings": warnings})
+    lines = render_status(document, dash="-").splitlines()
     assert lines[2:4] == [
         "warning: 3 stages over TCP: each extra TCP hop adds latency",
         "warning: model family 'jamba' is outside the best-tested set",
     ]
-    quiet = render_status({"coordinator": {"warnings": []}}, "healthy", "ok", dash="-")
+    quiet = render_status(status_document(0, coordinator={"warnings": []}), dash="-")
     assert "warning:" not in quiet
+
+
+def test_an_answer_that_is_not_a_status_document_exits_3_naming_the_field(
+    secret_file: Path, env: dict[str, str]
+) -> None:
+    """Another mlxpp version's coordinator (a key this mlxppctl does not know): one line."""
+    with Recorder(lambda _: web.json_response({"cluster": "mlxpp-cluster", "nodes": []})) as odd:
+        proc = mlxppctl(
+            "status", "--url", odd.url, "--cluster-secret-file", str(secret_file),
+            "--cluster-name", "mlxpp-cluster", env=env,
+        )  # fmt: skip
+    line = one_line_error(proc, 3)
+    assert "is not the StatusDocument this mlxppctl reads" in line
+    assert "coordinator: Field required" in line and "same mlxpp version" in line

@@ -8,6 +8,8 @@ from typing import Any
 
 from mlxppd.cli.ctl_admin import render_status
 from mlxppd.cli.ctl_prepare import ProgressView, progress_line
+from mlxppd.core.status_document import PrepareNodeProgress
+from tests.support.admin_server import status_document
 
 SENDING: dict[str, Any] = {
     "node": "stage-0", "stage": 0, "layers": [0, 15], "state": "sending", "found": "missing",
@@ -17,8 +19,13 @@ SENDING: dict[str, Any] = {
 }  # fmt: skip
 
 
+def node(**changes: Any) -> PrepareNodeProgress:
+    """SENDING with ``changes``, as mlxppctl parses it from the status document."""
+    return PrepareNodeProgress.model_validate({**SENDING, **changes})
+
+
 def test_a_line_shows_the_bar_bytes_rate_eta_and_state() -> None:
-    line = progress_line(SENDING, bar_width=10)
+    line = progress_line(node(), bar_width=10)
     assert line.startswith("stage-0")
     assert "[#####.....]  50%" in line
     assert "32.0 / 64.0 MB, 16.0 MB resumed" in line
@@ -28,8 +35,8 @@ def test_a_line_shows_the_bar_bytes_rate_eta_and_state() -> None:
 def test_a_terminal_redraws_the_bars_in_place() -> None:
     out = io.StringIO()
     view = ProgressView(out, tty=True)
-    view.show([SENDING, {**SENDING, "node": "stage-1"}])
-    view.show([{**SENDING, "bytes_sent": 48_000_000}, {**SENDING, "node": "stage-1"}])
+    view.show([node(), node(node="stage-1")])
+    view.show([node(bytes_sent=48_000_000), node(node="stage-1")])
     text = out.getvalue()
     assert text.count("\x1b[2F") == 1  # back up two lines once, then draw over them
     assert text.count("stage-0") == 2 and "100%" in text
@@ -39,9 +46,9 @@ def test_plain_output_prints_a_line_per_tenth_or_state_change_only() -> None:
     out = io.StringIO()
     view = ProgressView(out, tty=False)
     for sent in (16_000_000, 16_100_000, 16_200_000, 48_000_000):
-        view.show([{**SENDING, "bytes_sent": sent}])
-    view.show([{**SENDING, "bytes_sent": 48_000_000, "state": "done", "eta_s": None}])
-    view.finish([{**SENDING, "bytes_sent": 48_000_000, "state": "done"}])
+        view.show([node(bytes_sent=sent)])
+    view.show([node(bytes_sent=48_000_000, state="done", eta_s=None)])
+    view.finish([node(bytes_sent=48_000_000, state="done")])
     lines = out.getvalue().splitlines()
     assert "\x1b" not in out.getvalue()
     assert len(lines) == 4  # 50%, 100%, done, and the summary
@@ -52,18 +59,17 @@ def test_plain_output_prints_a_line_per_tenth_or_state_change_only() -> None:
 
 
 def test_status_text_shows_each_stages_identity_and_the_last_prepare() -> None:
-    document = {
-        "cluster": "c",
-        "coordinator": {"node_id": "coordinator", "prepare": {"state": "running",
-                        "reason": "operator", "nodes": [SENDING]}},
-        "stages": [
-            {"stage": 0, "node_id": "stage-0", "identity": {"state": "verified",
-             "detail": "", "actual_sha256": "ab" * 32}},
-            {"stage": 1, "node_id": "stage-1", "identity": {"state": "mismatch",
-             "detail": "model_mismatch: stage 1 (node stage-1): its tensors differ"}},
-        ],
-    }  # fmt: skip
-    text = render_status(document, "unhealthy", "refused", dash="-")
+    prepare = {"state": "running", "reason": "operator", "started_at": 0.0,
+               "max_rate_bytes_s": None, "nodes": [SENDING]}  # fmt: skip
+    verified = {"state": "verified", "detail": "", "expected_sha256": None,
+                "actual_sha256": "ab" * 32}  # fmt: skip
+    mismatch = {"state": "mismatch", "expected_sha256": None, "actual_sha256": None,
+                "detail": "model_mismatch: stage 1 (node stage-1): its tensors differ"}  # fmt: skip
+    document = status_document(
+        cluster="c", health="unhealthy", detail="refused", coordinator={"prepare": prepare},
+        cards=[{"identity": verified}, {"identity": mismatch}],
+    )  # fmt: skip
+    text = render_status(document, dash="-")
     assert "prepare (operator): running" in text
     assert "  stage-0 " in text and "sending (missing)" in text
     assert "model identity     verified (sha256 abababababababab)" in text

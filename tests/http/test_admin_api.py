@@ -10,140 +10,16 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, TypeVar
 
 import pytest
 
-from mlxppd.http.admin_api import AdminApi
-from mlxppd.http.openai_api import create_app
-from mlxppd.runtime.backends.contract import BackendUnavailable, Health, SamplingParams, TokenEvent
-from mlxppd.wire.admin_auth import AdminVerifier, admin_key, sign_request
-from tests.support.http import LoopThread, request
+from mlxppd.wire.admin_auth import admin_key, sign_request
+from tests.support.admin_server import API_KEY, CLUSTER, SECRET, AdminServer, ScriptedCluster
+from tests.support.http import request
 
 T = TypeVar("T")
-SECRET = b"5d1f0c9a7e3b2d4c6a8e0f1a2b3c4d5e"
-CLUSTER = "mlxpp-cluster"
-API_KEY = "sk-openai-test"
-MiB = 1024 * 1024
-
-
-class IdleBackend:
-    """A generation backend with no model: the admin routes never generate."""
-
-    model_id = "idle-model"
-    tokenizer = None
-
-    def health(self) -> Health:
-        return Health(True, "idle")
-
-    async def generate(
-        self, request_id: str, prompt: list[int], params: SamplingParams
-    ) -> AsyncIterator[TokenEvent]:
-        raise BackendUnavailable("no model here")
-        yield TokenEvent(0)  # pragma: no cover - makes this an async generator
-
-
-class ScriptedCluster:
-    """An AdminController whose cluster state the test sets directly."""
-
-    def __init__(self, stages: int = 2) -> None:
-        self.admission = "open"
-        self.in_flight = 3
-        self.fail_with: Exception | None = None
-        self.elastic_state = "idle"
-        self.triggers: list[tuple[list[int | None] | None, str | None]] = []
-        self.stages: list[dict[str, Any]] = [
-            {
-                "stage": i,
-                "node_id": f"stage-{i}",
-                "address": f"127.0.0.1:{19001 + i}",
-                "layers": f"{i * 15}-{i * 15 + 14}",
-                "process_alive": True,
-                "transport_connected": True,
-                "in_flight": 1,
-                "kv_used_bytes": 64 * MiB,
-                "kv_budget_bytes": 512 * MiB,
-                "elastic_state": "idle",
-                "config_generation": "gen-7",
-                "last_reload_error": None,
-                "weights": "float32",
-                "blas": "OpenBLAS 0.3.21 (libopenblas.so.0, Haswell kernels, 2 threads)",
-            }
-            for i in range(stages)
-        ]
-
-    async def status(self) -> dict[str, Any]:
-        if self.fail_with is not None:
-            raise self.fail_with
-        return {
-            "cluster": "mlxpp-cluster",
-            "coordinator": {
-                "node_id": "coordinator",
-                "http_address": "127.0.0.1:8080",
-                "ready": True,
-                "detail": "ready",
-                "admission": self.admission,
-                "in_flight": self.in_flight,
-                "waiting": 0,
-                "config_generation": "gen-7",
-                "last_reload_error": None,
-                "elastic_state": "idle",
-                "reload_failures": 0,
-            },
-            "stages": [dict(s) for s in self.stages],
-        }
-
-    async def drain(self) -> dict[str, Any]:
-        self.admission = "draining"
-        return {"admission": "draining", "in_flight": self.in_flight}
-
-    async def resume(self) -> dict[str, Any]:
-        self.admission = "open"
-        return {"admission": "open"}
-
-    async def repartition(
-        self, stage_memory: list[int | None] | None, pp_layers: str | None
-    ) -> dict[str, Any]:
-        self.triggers.append((stage_memory, pp_layers))
-        if self.elastic_state != "idle":
-            return {"accepted": False, "reason": "busy", "message": "a repartition is running"}
-        self.elastic_state = "draining"
-        return {"accepted": True, "state": "draining", "seq": 0}
-
-    async def events(self, after: int) -> dict[str, Any]:
-        events = [{"seq": 0, "from": "idle", "to": "draining", "outcome": "progress"}]
-        return {"state": self.elastic_state, "events": [e for e in events if e["seq"] > after]}
-
-
-class AdminServer(LoopThread):
-    """``create_app`` with the admin API (and an OpenAI api key) on 127.0.0.1, own thread."""
-
-    def __init__(
-        self,
-        controller: ScriptedCluster,
-        secret: bytes = SECRET,
-        *,
-        clock: Callable[[], float] = time.time,
-        cluster: str = CLUSTER,
-    ) -> None:
-        super().__init__("admin-test-loop")
-        self.controller = controller
-        self.failures: list[str] = []
-        verifier = AdminVerifier(admin_key(secret), cluster_name=cluster, clock=clock)
-        admin = AdminApi(controller, verifier, self.failures.append)
-        try:
-            self.url = self.serve(create_app(IdleBackend(), api_key=API_KEY, admin=admin))
-        except BaseException:
-            self.stop()
-            raise
-        self.port = int(self.url.rsplit(":", 1)[1])
-
-    def __enter__(self) -> AdminServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 @pytest.fixture()

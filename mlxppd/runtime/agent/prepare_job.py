@@ -15,10 +15,11 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from mlxppd.core.config.cluster import Node
 from mlxppd.core.stages import StageSpec
+from mlxppd.core.status_document import PrepareNodeProgress, PrepareStatus
 from mlxppd.runtime.coordinator.model_sender import ShipProgress, manifest_for, ship_stage
 from mlxppd.wire.tasks import spawn, stop_tasks
 from mlxppd.wire.transport import Transport
@@ -49,7 +50,7 @@ class PrepareJob:
         self.max_rate_bytes_s = max_rate_bytes_s
         self.reason = reason
         self.started_at = time.time()
-        self.state = "running"
+        self.state: Literal["running", "done", "failed"] = "running"
         self.progress = [
             ShipProgress(node.id, spec.index, (spec.start, spec.end), clock=clock)
             for node, spec in self.targets
@@ -89,14 +90,35 @@ class PrepareJob:
             )  # fmt: skip
         return True
 
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "state": self.state,
-            "reason": self.reason,
-            "started_at": self.started_at,
-            "max_rate_bytes_s": self.max_rate_bytes_s,
-            "nodes": [p.as_dict() for p in self.progress],
-        }
+    def status(self) -> PrepareStatus:
+        """The job as the status document shows it (``coordinator.prepare``)."""
+        return PrepareStatus(
+            state=self.state,
+            reason=self.reason,
+            started_at=self.started_at,
+            max_rate_bytes_s=self.max_rate_bytes_s,
+            nodes=tuple(_node_progress(p) for p in self.progress),
+        )
+
+
+def _node_progress(progress: ShipProgress) -> PrepareNodeProgress:
+    """One node's progress; rate and ETA to a tenth (of bytes per second, of seconds)."""
+    eta = progress.eta_s()
+    return PrepareNodeProgress(
+        node=progress.node,
+        stage=progress.stage,
+        layers=progress.layers,
+        state=progress.state,
+        found=progress.found,
+        tensors_needed=progress.tensors_needed,
+        bytes_total=progress.bytes_total,
+        bytes_resumed=progress.bytes_resumed,
+        bytes_sent=progress.bytes_sent,
+        stage_bytes=progress.stage_bytes,
+        rate_bytes_s=round(progress.rate(), 1),
+        eta_s=None if eta is None else round(eta, 1),
+        error=progress.error,
+    )
 
 
 class Preparer:
@@ -137,5 +159,5 @@ class Preparer:
     async def close(self) -> None:
         await stop_tasks(self._task)
 
-    def status(self) -> dict[str, Any] | None:
-        return self.job.as_dict() if self.job is not None else None
+    def status(self) -> PrepareStatus | None:
+        return self.job.status() if self.job is not None else None

@@ -1,6 +1,7 @@
 """The coordinator's admin controller: the cluster status document, drain, resume, repartition.
 
-The document's shape is docs/admin-api.md's; the HTTP layer adds the health badge. Stage cards
+The document is the frozen model of ``mlxppd/core/status_document.py`` (docs/admin-api.md says
+what it means); the HTTP layer adds the health badge and serves its JSON. Stage cards
 come from each stage's own status report over the pipeline link, so "process alive" means the
 stage answered just now, and "transport connected" that the coordinator's link to it is up.
 Standby nodes get cards of their own: no layers until the coordinator gives one a lost stage's,
@@ -12,15 +13,29 @@ says where each piece of information comes from).
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from mlxppd.core.agent.elastic import Trigger
+from mlxppd.core.agent.elastic import ElasticState, Trigger
 from mlxppd.core.agent.plan import StageAddress
 from mlxppd.core.errors import MlxppError
 from mlxppd.core.kv_admission import configured_budget
 from mlxppd.core.model_identity import IdentityCheck
 from mlxppd.core.protocol.control import StageReport
+from mlxppd.core.status_document import (
+    AdapterStatus,
+    ClusterStatus,
+    CoordinatorStatus,
+    FailoverRecord,
+    IdentityStatus,
+    NamedAdapter,
+    NodeCard,
+    PrepareStatus,
+    RepartitionEventRecord,
+    RepartitionEvents,
+    SlotStatus,
+    StageCard,
+)
 from mlxppd.runtime.coordinator.elastic_driver import ElasticDriver
 from mlxppd.runtime.coordinator.gate import GatedBackend
 
@@ -28,6 +43,8 @@ if TYPE_CHECKING:
     from mlxppd.runtime.agent.loop import Agent
 
 ADMIN_HOLD = "admin"
+Role = Literal["pipeline_stage", "standby"]
+Card = TypeVar("Card", bound=NodeCard)
 
 
 @dataclass
@@ -50,9 +67,8 @@ class CoordinatorView:
     #: the last identity check of every stage when the pipeline is not up (a refused one)
     identity: Callable[[], Sequence[IdentityCheck]] = lambda: ()
     #: the last prepare's progress (None: none ran), and how to start one (None: cannot)
-    prepare_status: Callable[[], dict[str, Any] | None] = lambda: None
+    prepare_status: Callable[[], PrepareStatus | None] = lambda: None
     prepare: Callable[[float | None, list[str] | None], dict[str, Any]] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class CoordinatorAdmin:
@@ -61,7 +77,7 @@ class CoordinatorAdmin:
     def __init__(self, view: CoordinatorView) -> None:
         self.view = view
 
-    async def status(self) -> dict[str, Any]:
+    async def status(self) -> ClusterStatus:
         view = self.view
         gate = view.gate()
         live = gate.coordinator if gate is not None else None
@@ -69,67 +85,12 @@ class CoordinatorAdmin:
         ready = live is not None and live.connected
         if live is not None and ready:
             reports = await live.stage_reports()
-        if ready:
-            detail = "all stages connected"
-        else:
-            detail = view.last_error() or "the pipeline is connecting"
-        driver = view.driver()
-        # After a failover the chain is no longer the file's: show the one serving.
-        chain = live.chain_nodes() if live is not None else []
-        nodes = [StageAddress(n.id, n.host, n.port) for n in chain] or list(view.stages())
-        spares = {s.node_id for s in view.standbys()}
-        checks = {c.node: c for c in (live.identity_checks if live else None) or view.identity()}
-        stages = [
-            _card(i, s, reports.get(s.node_id), live, "standby" if s.node_id in spares else None)
-            | {"identity": _identity(checks.get(s.node_id))}
-            for i, s in enumerate(nodes)
-        ]
-        if live is None or not live.health().ready:
-            # Down or recovering, the stages were not asked (or their links were dropped for
-            # a new pipeline): only those whose link failed are known to be down.
-            lost = live.lost_nodes if live is not None else set()
-            for card in stages:
-                card["process_alive"] = False if card["node_id"] in lost else None
-        standbys = [_standby_card(s, reports.get(s.node_id), live) for s in view.standbys()]
-        coordinator = {
-            "node_id": view.node_id(),
-            "http_address": view.http_address(),
-            "ready": ready,
-            "detail": detail,
-            "admission": gate.admission if gate is not None else "draining",
-            "in_flight": gate.in_flight if gate is not None else 0,
-            "waiting": live.waiting if live is not None else 0,
-            "transport": live.transport.backend if live is not None else None,
-            "config_generation": view.generation(),
-            "last_reload_error": view.last_reload_error(),
-            "elastic_state": str(driver.state) if driver is not None else "idle",
-            "reload_failures": view.reload_failures(),
-            "failovers": [asdict(e) for e in live.failovers] if live is not None else [],
-            "warnings": list(view.warnings()),
-            "prepare": view.prepare_status(),
-        }
-        registry = getattr(live, "adapters", None)
-        if registry is not None:
-            coordinator["adapters"] = {
-                "fused": str(registry.fused) if registry.fused is not None else None,
-                "named": {
-                    n: {"path": str(registry.path(n)), "running": running}
-                    for n, running in registry.usage().items()
-                },
-            }
-        if driver is not None:
-            coordinator["elastic_enabled"] = driver.machine.policy.enabled
-            coordinator["last_repartition_event"] = driver.last_event()
-            coordinator["last_repartition_loads"] = [
-                load.model_dump(mode="json") if load is not None else None
-                for load in driver.last_loads
-            ]
-        return {
-            "cluster": view.cluster_name(),
-            "coordinator": coordinator,
-            "stages": stages,
-            "standbys": standbys,
-        }
+        return ClusterStatus(
+            cluster=view.cluster_name(),
+            coordinator=_coordinator(view, gate, live, ready),
+            stages=_stage_cards(view, live, reports),
+            standbys=tuple(_standby_card(s, reports.get(s.node_id), live) for s in view.standbys()),
+        )
 
     async def drain(self) -> dict[str, Any]:
         gate = self.view.gate()
@@ -190,92 +151,146 @@ class CoordinatorAdmin:
             # A file that cannot be read or parsed is this request's failure, said in full.
             return {"accepted": False, "reason": "refused", "message": str(exc) or repr(exc)}
 
-    async def events(self, after: int) -> dict[str, Any]:
+    async def events(self, after: int) -> RepartitionEvents:
         driver = self.view.driver()
         if driver is None:
-            return {"state": "idle", "events": []}
-        return {"state": str(driver.state), "events": driver.events_after(after)}
+            return RepartitionEvents(state=ElasticState.IDLE, events=())
+        events = tuple(RepartitionEventRecord.model_validate(e) for e in driver.events_after(after))
+        return RepartitionEvents(state=driver.state, events=events)
 
 
-def _card(
-    index: int, stage: StageAddress, report: StageReport | None, live: Any, role: str | None
-) -> dict[str, Any]:
-    card: dict[str, Any] = {
-        "stage": index,
-        "node_id": stage.node_id,
-        "address": f"{stage.host}:{stage.port}",
-        "role": role or "pipeline_stage",
-        "layers": None,
-        "process_alive": report is not None,
-        "transport_connected": live is not None and live.link_alive(stage.node_id),
-    }
-    return card | _reported(report)
+def _coordinator(
+    view: CoordinatorView, gate: GatedBackend | None, live: Any, ready: bool
+) -> CoordinatorStatus:
+    driver = view.driver()
+    registry = getattr(live, "adapters", None)
+    # Keys that do not apply to this coordinator are left out (MISSING), not sent as null.
+    optional: dict[str, Any] = {}
+    if registry is not None:
+        optional["adapters"] = AdapterStatus(
+            fused=str(registry.fused) if registry.fused is not None else None,
+            named={
+                n: NamedAdapter(path=str(registry.path(n)), running=running)
+                for n, running in registry.usage().items()
+            },
+        )
+    if driver is not None:
+        event = driver.last_event()
+        optional["elastic_enabled"] = driver.machine.policy.enabled
+        optional["last_repartition_event"] = (
+            RepartitionEventRecord.model_validate(event) if event is not None else None
+        )
+        optional["last_repartition_loads"] = tuple(driver.last_loads)
+    detail = "all stages connected" if ready else view.last_error() or "the pipeline is connecting"
+    failovers = [FailoverRecord(**asdict(e)) for e in live.failovers] if live is not None else []
+    return CoordinatorStatus(
+        node_id=view.node_id(),
+        http_address=view.http_address(),
+        ready=ready,
+        detail=detail,
+        admission=gate.admission if gate is not None else "draining",
+        in_flight=gate.in_flight if gate is not None else 0,
+        waiting=live.waiting if live is not None else 0,
+        transport=live.transport.backend if live is not None else None,
+        config_generation=view.generation(),
+        last_reload_error=view.last_reload_error(),
+        elastic_state=driver.state if driver is not None else ElasticState.IDLE,
+        reload_failures=view.reload_failures(),
+        failovers=tuple(failovers),
+        warnings=tuple(view.warnings()),
+        prepare=view.prepare_status(),
+        **optional,
+    )
 
 
-def _identity(check: IdentityCheck | None) -> dict[str, Any] | None:
-    """A stage's model identity as the coordinator last found it (null: not checked)."""
-    if check is None:
-        return None
-    return {
-        "state": check.state,
-        "detail": check.detail,
-        "expected_sha256": check.expected.tensors_sha256 if check.expected else None,
-        "actual_sha256": check.actual.tensors_sha256 if check.actual else None,
-    }
+def _stage_cards(
+    view: CoordinatorView, live: Any, reports: dict[str, StageReport | None]
+) -> tuple[StageCard, ...]:
+    # After a failover the chain is no longer the file's: show the one serving.
+    chain = live.chain_nodes() if live is not None else []
+    nodes = [StageAddress(n.id, n.host, n.port) for n in chain] or list(view.stages())
+    spares = {s.node_id for s in view.standbys()}
+    checks = {c.node: c for c in (live.identity_checks if live else None) or view.identity()}
+    # Down or recovering, the stages were not asked (or their links were dropped for a new
+    # pipeline): only those whose link failed are known to be down.
+    asked = live is not None and live.health().ready
+    lost: set[str] = live.lost_nodes if live is not None else set()
+    cards = []
+    for i, node in enumerate(nodes):
+        report = reports.get(node.node_id)
+        alive = (report is not None) if asked else (False if node.node_id in lost else None)
+        role: Role = "standby" if node.node_id in spares else "pipeline_stage"
+        identity = _identity(checks.get(node.node_id))
+        cards.append(_node_card(StageCard, i, node, role, alive, live, report, identity=identity))
+    return tuple(cards)
 
 
-def _standby_card(node: StageAddress, report: StageReport | None, live: Any) -> dict[str, Any]:
+def _standby_card(node: StageAddress, report: StageReport | None, live: Any) -> NodeCard:
     """A standby: no stage and no layers, or the lost stage's once it adopted them. The
     coordinator links to a standby only once it is in the pipeline, so without a report its
     process is unknown (null), not dead."""
     adopted = report.stage if report is not None and report.stage >= 0 else None
-    card: dict[str, Any] = {
-        "stage": adopted,
-        "node_id": node.node_id,
-        "address": f"{node.host}:{node.port}",
-        "role": "standby",
-        "layers": None,
-        "process_alive": True if report is not None else None,
-        "transport_connected": live is not None and live.link_alive(node.node_id),
-    }
-    return card | _reported(report)
+    alive = True if report is not None else None
+    return _node_card(NodeCard, adopted, node, "standby", alive, live, report)
 
 
-def _reported(report: StageReport | None) -> dict[str, Any]:
-    """What a stage's own report says (null for all when it did not answer); ``layers`` is
-    null for a node holding none (a standby)."""
-    keys = ("layers", "in_flight", "kv_used_bytes", "kv_budget_bytes", "elastic_state")
-    more = (
-        "config_generation", "last_reload_error", "memory_budget_bytes", "weights", "blas",
-        "parameter_bytes",
-    )  # fmt: skip
-    if report is None:
-        return dict.fromkeys(keys + more) | {"slots": []}
-    start, end = report.layers
-    return {
-        "layers": f"{start}-{end - 1}" if end > start else None,
-        "in_flight": report.active_sequences,
-        "kv_used_bytes": report.kv_used_bytes,
-        "kv_budget_bytes": configured_budget(report.kv_budget_bytes),
-        "elastic_state": report.elastic_state,
-        "config_generation": report.config_generation,
-        "last_reload_error": report.last_reload_error,
-        "memory_budget_bytes": report.memory_budget_bytes,
-        "weights": report.weights,
-        "blas": report.blas,
-        "parameter_bytes": report.parameter_bytes,
+def _node_card(
+    cls: type[Card],
+    stage: int | None,
+    node: StageAddress,
+    role: Role,
+    alive: bool | None,
+    live: Any,
+    report: StageReport | None,
+    **more: Any,
+) -> Card:
+    """A card: where the node is, then what its own report says (null for all of that when
+    it did not answer); ``layers`` is null for a node holding none (a standby)."""
+    r = report
+    layers = None if r is None or r.layers[1] <= r.layers[0] else f"{r.layers[0]}-{r.layers[1] - 1}"
+    return cls(
+        stage=stage,
+        node_id=node.node_id,
+        address=f"{node.host}:{node.port}",
+        role=role,
+        layers=layers,
+        process_alive=alive,
+        transport_connected=live is not None and live.link_alive(node.node_id),
+        in_flight=r.active_sequences if r else None,
+        kv_used_bytes=r.kv_used_bytes if r else None,
+        kv_budget_bytes=configured_budget(r.kv_budget_bytes) if r else None,
+        elastic_state=r.elastic_state if r else None,
+        config_generation=r.config_generation if r else None,
+        last_reload_error=r.last_reload_error if r else None,
+        memory_budget_bytes=r.memory_budget_bytes if r else None,
+        weights=r.weights if r else None,
+        blas=r.blas if r else None,
+        parameter_bytes=r.parameter_bytes if r else None,
         # A tensor-parallel stage: each (stage, rank) slot's shard and KV.
-        "slots": [
-            {
-                "rank": slot.rank,
-                "node_id": slot.node_id,
-                "parameter_bytes": slot.parameter_bytes,
-                "kv_used_bytes": slot.kv_used_bytes,
-                "kv_budget_bytes": configured_budget(slot.kv_budget_bytes),
-            }
-            for slot in report.slots
-        ],
-    }
+        slots=tuple(
+            SlotStatus(
+                rank=slot.rank,
+                node_id=slot.node_id,
+                parameter_bytes=slot.parameter_bytes,
+                kv_used_bytes=slot.kv_used_bytes,
+                kv_budget_bytes=configured_budget(slot.kv_budget_bytes),
+            )
+            for slot in (r.slots if r else ())
+        ),
+        **more,
+    )
+
+
+def _identity(check: IdentityCheck | None) -> IdentityStatus | None:
+    """A stage's model identity as the coordinator last found it (null: not checked)."""
+    if check is None:
+        return None
+    return IdentityStatus(
+        state=check.state,
+        detail=check.detail,
+        expected_sha256=check.expected.tensors_sha256 if check.expected else None,
+        actual_sha256=check.actual.tensors_sha256 if check.actual else None,
+    )
 
 
 def agent_admin(agent: Agent) -> CoordinatorAdmin:

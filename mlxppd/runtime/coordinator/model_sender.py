@@ -79,23 +79,6 @@ class ShipProgress:
             return None
         return left / rate
 
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "node": self.node,
-            "stage": self.stage,
-            "layers": list(self.layers),
-            "state": self.state,
-            "found": self.found,
-            "tensors_needed": self.tensors_needed,
-            "bytes_total": self.bytes_total,
-            "bytes_resumed": self.bytes_resumed,
-            "bytes_sent": self.bytes_sent,
-            "stage_bytes": self.stage_bytes,
-            "rate_bytes_s": round(self.rate(), 1),
-            "eta_s": None if (eta := self.eta_s()) is None else round(eta, 1),
-            "error": self.error,
-        }
-
 
 def manifest_for(
     source: Path,

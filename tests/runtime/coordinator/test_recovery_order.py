@@ -186,9 +186,12 @@ def test_the_lost_node_itself_comes_first_even_with_a_standby_idle(
                 await nodes.start("stage-1", SPLIT[1])
 
             reference, replayed = await lost_under_a_stream(coordinator, restart)
-            return reference, replayed, coordinator.failovers[-1].outcome, [
-                n.id for n in coordinator.chain_nodes()
-            ]
+            return (
+                reference,
+                replayed,
+                coordinator.failovers[-1].outcome,
+                [n.id for n in coordinator.chain_nodes()],
+            )
 
     reference, replayed, outcome, chain = run(scenario)
     assert replayed == reference

@@ -1,0 +1,279 @@
+"""The base of the HTTP app, which every API on it shares.
+
+``base_app(state)`` is an aiohttp application with one middleware (request id, header check,
+api key, in-flight cap, metrics, one log line per request, and every failure rendered in the
+error shape of the API whose path was asked: ``serve_errors_as``), ``/health`` and
+``/metrics``. The APIs add their routes to it: ``http/openai_api.py``, ``http/anthropic_api.py``,
+the admin API and the console. Handlers read bodies with ``read_json`` (size and time limits)
+and report into their request's log line through ``request_log``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from mlxppd.core.log_text import escape
+from mlxppd.http.api_state import STATE, ApiState
+from mlxppd.http.completion import ClientGone
+from mlxppd.http.errors import (
+    ADMISSION_RETRY_AFTER_S,
+    ApiError,
+    ErrorShape,
+    from_backend_error,
+)
+from mlxppd.http.validation import parse_json_body
+from mlxppd.runtime.backends.contract import (
+    AdmissionRejected,
+    BackendUnavailable,
+    RequestRefused,
+    SequenceFailed,
+)
+from mlxppd.runtime.observability.metrics import PipelineMetrics
+
+log = logging.getLogger("mlxppd.http")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+#: paths under the api key when one is set (/health answers everyone, in one word)
+_KEYED_PREFIXES = ("/v1/", "/metrics", "/console/v1/")
+
+
+@dataclass
+class RequestLog:
+    """What the per-request log line reports, filled in by the handler."""
+
+    request_id: str
+    #: (prompt tokens, completion tokens)
+    tokens: tuple[int, int] | None = None
+    note: str | None = None
+
+
+# aiohttp >= 3.13 wants typed request keys; older versions take a plain string.
+_LOG: Any = (
+    web.RequestKey("mlxpp_request_log", RequestLog)
+    if hasattr(web, "RequestKey")
+    else "mlxpp_request_log"
+)
+
+
+def request_log(request: web.Request) -> RequestLog:
+    """The request's log line (its id, and what the handler adds to the line)."""
+    info: RequestLog = request[_LOG]
+    return info
+
+
+def client_gone(request: web.Request) -> Callable[[], bool]:
+    """Whether the client has closed the request's connection (a generation stops then)."""
+
+    def gone() -> bool:
+        transport = request.transport
+        return transport is None or transport.is_closing()
+
+    return gone
+
+
+def base_app(state: ApiState, *, metrics_route: bool = True) -> web.Application:
+    """The app every API is added to: ``state``'s limits and key, /health, and ``GET /metrics``
+    when ``state`` counts into metrics and ``metrics_route`` is set."""
+    app = web.Application(client_max_size=state.max_body_bytes, middlewares=[_middleware])
+    app[STATE] = state
+    app.cleanup_ctx.append(_tokenizer_thread)
+    app.router.add_get("/health", _health)
+    if state.metrics is not None and metrics_route:
+        app.router.add_get("/metrics", metrics_handler(state.metrics))
+    return app
+
+
+def serve_errors_as(app: web.Application, root: str, shape: ErrorShape) -> None:
+    """Render every error under ``root`` (that path and below it) in ``shape``: the API served
+    there answers in its own words, whatever failed (auth, limits, its handler, a bug)."""
+    if STATE not in app:
+        raise ValueError("serve_errors_as needs an app built by base_app")
+    app[STATE].error_shapes[root] = shape
+
+
+def metrics_handler(metrics: PipelineMetrics) -> Handler:
+    async def handler(request: web.Request) -> web.Response:
+        body = generate_latest(metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    return handler
+
+
+def create_metrics_app(metrics: PipelineMetrics) -> web.Application:
+    """``GET /metrics`` alone, for ``--metrics-port``."""
+    app = web.Application()
+    app.router.add_get("/metrics", metrics_handler(metrics))
+    return app
+
+
+async def _tokenizer_thread(app: web.Application) -> AsyncIterator[None]:
+    state = app[STATE]
+    state.tokenize = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxpp-tokenize")
+    yield
+    state.tokenize.shutdown(wait=False, cancel_futures=True)
+    state.tokenize = None
+
+
+async def read_json(request: web.Request) -> dict[str, Any]:
+    """The request's body as a JSON object, within the app's size and time limits."""
+    state = request.app[STATE]
+    try:
+        async with asyncio.timeout(state.body_timeout_s):
+            raw = await request.read()
+    except TimeoutError:
+        raise ApiError(
+            408,
+            f"the request body did not arrive within {state.body_timeout_s:g} s",
+            code="request_timeout",
+        ) from None
+    except web.HTTPRequestEntityTooLarge:
+        limit = state.max_body_bytes
+        raise ApiError(
+            413, f"the request body is larger than {limit} bytes", code="request_too_large"
+        ) from None
+    return parse_json_body(raw)
+
+
+# --- middleware: request id, auth, limits, errors, one log line per request ---
+
+
+def _has_key(state: ApiState, request: web.Request) -> bool:
+    """True when no key is set, or the request carries it: ``Authorization: Bearer <key>``, or
+    ``x-api-key: <key>`` as Anthropic's clients send it."""
+    if state.api_key is None:
+        return True
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), state.api_key):
+        return True
+    key = request.headers.get("x-api-key", "").strip().encode()
+    return hmac.compare_digest(key, state.api_key)
+
+
+def _authorized(state: ApiState, request: web.Request) -> bool:
+    # /admin routes check their own signatures; /health decides what it tells.
+    return not request.path.startswith(_KEYED_PREFIXES) or _has_key(state, request)
+
+
+def _check_headers(request: web.Request) -> None:
+    # aiohttp hands undecodable header bytes over as lone surrogates; refuse them here, once.
+    for name, value in request.headers.items():
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            raise ApiError(
+                400, f"the {escape(name, 64)} header is not valid UTF-8", code="invalid_header"
+            ) from None
+
+
+@contextlib.contextmanager
+def _counted(state: ApiState, request: web.Request) -> Iterator[None]:
+    """One more request in flight, or a 503 when the cap is reached (only /v1 counts)."""
+    if not request.path.startswith("/v1/"):
+        yield
+        return
+    if state.in_flight >= state.max_in_flight:
+        raise ApiError(
+            503,
+            f"the server is handling {state.in_flight} requests, its limit; retry shortly",
+            type="server_overloaded",
+            code="too_many_requests",
+            headers={"Retry-After": str(ADMISSION_RETRY_AFTER_S)},
+        )
+    state.in_flight += 1
+    try:
+        yield
+    finally:
+        state.in_flight -= 1
+
+
+async def _answer(
+    state: ApiState, request: web.Request, handler: Handler, request_id: str
+) -> web.StreamResponse:
+    """The handler's response, or its failure as an error in the shape of the path's API."""
+    try:
+        _check_headers(request)
+        if not _authorized(state, request):
+            raise ApiError(
+                401,
+                "missing or incorrect API key; send 'Authorization: Bearer <key>' or "
+                "'x-api-key: <key>'",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        with _counted(state, request):
+            response = await handler(request)
+        if not response.prepared:
+            response.headers["X-Request-Id"] = request_id
+        return response
+    except (ApiError, AdmissionRejected, BackendUnavailable, RequestRefused, SequenceFailed) as exc:
+        error = from_backend_error(exc)
+    except web.HTTPException as exc:  # unknown route, wrong method: the same error shape
+        error = ApiError(exc.status, exc.reason, code=exc.reason.lower().replace(" ", "_"))
+    except ClientGone:
+        return web.Response(status=499)  # nginx's "client closed request"; nothing reaches it
+    except Exception:
+        log.exception("%s %s %s failed", request_id, escape(request.method), escape(request.path))
+        error = from_backend_error(RuntimeError())
+    return state.error_shape(request.path).response(error, request_id)
+
+
+def _account(
+    state: ApiState, request: web.Request, info: RequestLog, status: int, seconds: float
+) -> None:
+    """The request's count in the metrics and its one log line."""
+    if state.metrics is not None:
+        # The route pattern, not the raw path, keeps the label set small.
+        resource = request.match_info.route.resource
+        endpoint = resource.canonical if resource is not None else "other"
+        state.metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
+    tokens, note = info.tokens, info.note
+    log.info(
+        "%s %s %s %d %.3fs%s%s",
+        info.request_id,
+        escape(request.method),
+        escape(request.path),
+        status,
+        seconds,
+        f" prompt_tokens={tokens[0]} completion_tokens={tokens[1]}" if tokens else "",
+        f" ({note})" if note else "",
+    )
+
+
+@web.middleware
+async def _middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    state = request.app[STATE]
+    info = RequestLog(f"req-{uuid.uuid4().hex[:20]}")
+    request[_LOG] = info
+    started = time.perf_counter()
+    status = 500
+    try:
+        response = await _answer(state, request, handler, info.request_id)
+        status = response.status
+        return response
+    except asyncio.CancelledError:
+        status = 499
+        raise
+    finally:
+        _account(state, request, info, status, time.perf_counter() - started)
+
+
+async def _health(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    health = state.backend.health()
+    body: dict[str, Any] = {"status": "ok" if health.ready else "unavailable"}
+    if _has_key(state, request):  # the stages' detail is for whoever holds the key
+        body.update(model=state.model_name, detail=health.detail, stages=list(health.stages))
+    return web.json_response(body, status=200 if health.ready else 503)
