@@ -45,6 +45,7 @@ SLOW_MODULES = (
     "test_openapi.py",
     "test_http_attacks.py",
     "test_prepare_cluster.py",
+    "test_prepare_attacks.py",
     "test_console.py",
     "test_tensor_parallel.py",
     "test_tp_serving.py",
@@ -52,6 +53,14 @@ SLOW_MODULES = (
     "test_adapter_families.py",
     "test_admin_openapi.py",
     "test_recovery_order.py",
+    "test_recovery_cascade.py",
+    "test_failover_cascade.py",
+    "test_constrained_replay.py",
+    "test_grammar_attack.py",
+    "test_early_close.py",
+    "test_prompt_cache_moves.py",
+    "test_grammar_admission.py",
+    "test_micro_batch_members.py",
 )
 
 

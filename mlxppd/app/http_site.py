@@ -1,10 +1,16 @@
 """Listening with an aiohttp application: one way, whoever puts the node together.
 
 aiohttp bounds what one request may send (header sizes, ``client_max_size``) but not how many
-connections a client may hold open or how slowly it may send a request's head. Every listener
-here does both: past ``max_connections`` a new connection gets a 503 and is closed, and a
-connection whose request head is not complete ``header_timeout_s`` after it opened (or after
-its first byte arrived, once idle) is closed, so a slowloris client holds nothing for long.
+connections a client may hold open or how slowly it may send or read. Every listener here bounds
+every phase of every connection, whatever the path (``HttpLimits``): past ``max_connections`` a
+new connection gets a 503 and is closed; a request head must arrive within
+``header_timeout_s``; its body within ``body_timeout_s`` of the head (a handler reading it then
+gets ``BodyDeadline``, a ``TimeoutError``: a 408, and the connection closes after the answer); a
+response the client stops reading is cut ``write_timeout_s`` after the transport's buffer
+filled; an idle keep-alive connection closes after ``keepalive_timeout_s``; an answered
+request's unread body is read and dropped for ``linger_s``, then the connection closes. A
+request being handled is never cut for taking its time. What is cut is counted
+(``HttpGuardStats``, and the app's metrics when it has them) and never logged as a traceback.
 """
 
 from __future__ import annotations
@@ -13,12 +19,15 @@ import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, cast
 
-from aiohttp import web
+from aiohttp import streams, web
 
 from mlxppd.core.config.addresses import join_host_port
+from mlxppd.http.base_app import BodyDeadline, cut_counter, note_listener
+
+__all__ = ["BodyDeadline", "HttpGuardStats", "HttpLimits", "http_url", "start_site"]
 
 log = logging.getLogger("mlxppd.http")
 
@@ -31,16 +40,30 @@ class HttpLimits:
     max_connections: int = 1024
     #: seconds a request's head may take to arrive (slowloris guard)
     header_timeout_s: float = 10.0
+    #: seconds a request's body may take to arrive once its head is in (a 408 after)
+    body_timeout_s: float = 30.0
+    #: seconds a response may wait on a client that does not read before it is cut
+    write_timeout_s: float = 30.0
     #: seconds an idle keep-alive connection stays open between requests
     keepalive_timeout_s: float = 15.0
+    #: seconds an answered request's unread body is drained, so its client reads the answer
+    #: (an early 401, 413) rather than a reset; then the connection closes
+    linger_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        for item in fields(self):
+            if not (value := getattr(self, item.name)) > 0:
+                raise ValueError(f"HttpLimits.{item.name} must be a positive number, not {value}")
 
 
 @dataclass
 class HttpGuardStats:
-    """Connections a listener turned away, by reason (counted, and logged at debug)."""
+    """Connections a listener turned away or cut, by reason (counted, and logged at debug)."""
 
     refused_over_capacity: int = 0
     closed_head_timeout: int = 0
+    closed_body_timeout: int = 0
+    closed_write_timeout: int = 0
     closed_idle: int = 0
 
 
@@ -49,6 +72,13 @@ class _Guard:
     limits: HttpLimits
     stats: HttpGuardStats = field(default_factory=HttpGuardStats)
     open: dict[asyncio.BaseTransport, _GuardedConnection] = field(default_factory=dict)
+    #: the app's metrics counter of cut connections, by reason (None: the app has none)
+    metric: Callable[[str], None] | None = None
+
+    def count(self, stat: str, reason: str) -> None:
+        setattr(self.stats, stat, getattr(self.stats, stat) + 1)
+        if self.metric is not None:
+            self.metric(reason)
 
 
 class _GuardedConnection(asyncio.Protocol):
@@ -58,15 +88,21 @@ class _GuardedConnection(asyncio.Protocol):
         self._inner = inner
         self._guard = guard
         self._transport: asyncio.Transport | None = None
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.TimerHandle | None = None  # head, body or idle: one at a time
+        self._write_timer: asyncio.TimerHandle | None = None
         self._busy = False  # a request's head has arrived and it is being handled
         self._head_started = False  # bytes of the next request's head have arrived
 
     # -- what the middleware tells -------------------------------------------------------------
 
-    def request_started(self) -> None:
+    def request_started(self, body: streams.StreamReader) -> None:
         self._busy = True
         self._cancel()
+        if not body.is_eof():
+            loop = asyncio.get_running_loop()
+            self._timer = loop.call_later(
+                self._guard.limits.body_timeout_s, self._body_expired, body
+            )
 
     def request_finished(self) -> None:
         self._busy = False
@@ -93,17 +129,23 @@ class _GuardedConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel()
+        self._cancel_write()
         if self._transport is not None:
             self._guard.open.pop(self._transport, None)
         self._inner.connection_lost(exc)
 
     def pause_writing(self) -> None:
+        # The transport's buffer is full: the client has this long to read some of it.
+        self._cancel_write()
+        loop = asyncio.get_running_loop()
+        self._write_timer = loop.call_later(self._guard.limits.write_timeout_s, self._write_expired)
         self._inner.pause_writing()
 
     def resume_writing(self) -> None:
+        self._cancel_write()
         self._inner.resume_writing()
 
-    # -- the deadline --------------------------------------------------------------------------
+    # -- the deadlines -------------------------------------------------------------------------
 
     def _arm(self, seconds: float, *, idle: bool) -> None:
         self._cancel()
@@ -115,6 +157,11 @@ class _GuardedConnection(asyncio.Protocol):
             self._timer.cancel()
             self._timer = None
 
+    def _cancel_write(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+
     def _expired(self, idle: bool) -> None:
         self._timer = None
         if self._busy or self._transport is None:
@@ -122,9 +169,31 @@ class _GuardedConnection(asyncio.Protocol):
         if idle:
             self._guard.stats.closed_idle += 1
         else:
-            self._guard.stats.closed_head_timeout += 1
+            self._guard.count("closed_head_timeout", "head_timeout")
             log.debug("http: closing a connection whose request head did not arrive in time")
         self._transport.close()
+
+    def _body_expired(self, body: streams.StreamReader) -> None:
+        self._timer = None
+        if body.is_eof() or self._transport is None:
+            return
+        self._guard.count("closed_body_timeout", "body_timeout")
+        seconds = self._guard.limits.body_timeout_s
+        # A handler reading the body gets this (its 408); one that does not keeps running, and
+        # the connection closes once it has answered (aiohttp's handler: no further requests).
+        body.set_exception(BodyDeadline(f"the request body did not arrive within {seconds:g} s"))
+        close_after_answer = getattr(self._inner, "close", None)
+        if close_after_answer is not None:
+            close_after_answer()
+
+    def _write_expired(self) -> None:
+        self._write_timer = None
+        if self._transport is None:
+            return
+        self._guard.count("closed_write_timeout", "write_timeout")
+        log.debug("http: cutting a connection whose client stopped reading")
+        # abort, not close: close would wait for the unread buffer to drain, which it will not.
+        self._transport.abort()
 
 
 class _AtCapacity(asyncio.Protocol):
@@ -173,7 +242,7 @@ class _GuardedSite(web.TCPSite):
 
         def connection() -> asyncio.Protocol:
             if len(guard.open) >= guard.limits.max_connections:
-                guard.stats.refused_over_capacity += 1
+                guard.count("refused_over_capacity", "over_capacity")
                 return _AtCapacity()
             return _GuardedConnection(server(), guard)
 
@@ -190,7 +259,7 @@ def _middleware(guard: _Guard) -> Any:
     ) -> web.StreamResponse:
         connection = guard.open.get(request.transport) if request.transport else None
         if connection is not None:
-            connection.request_started()
+            connection.request_started(request.content)
         try:
             return await handler(request)
         finally:
@@ -210,9 +279,15 @@ async def start_site(
     """Serve ``app`` on ``host:port`` within ``limits``, counting what it turns away into
     ``stats``; returns its runner (``cleanup()`` stops it) and the port bound (port 0 asks the
     OS for a free one)."""
-    guard = _Guard(limits or HttpLimits(), stats or HttpGuardStats())
+    guard = _Guard(limits or HttpLimits(), stats or HttpGuardStats(), metric=cut_counter(app))
     app.middlewares.insert(0, _middleware(guard))
-    runner = web.AppRunner(app, access_log=None, keepalive_timeout=guard.limits.keepalive_timeout_s)
+    note_listener(app, host)
+    runner = web.AppRunner(
+        app,
+        access_log=None,
+        keepalive_timeout=guard.limits.keepalive_timeout_s,
+        lingering_time=guard.limits.linger_s,
+    )
     await runner.setup()
     site = _GuardedSite(runner, host, port, guard)
     await site.start()

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from mlxppd.core.errors import ConfigurationError
+from mlxppd.core.log_text import escape
 from mlxppd.core.stage_tensors import owned_by
 from mlxppd.core.stages import StageSpec
 
@@ -88,11 +89,16 @@ def parse_adapter_flag(text: str) -> tuple[str | None, str]:
     return name, path
 
 
+def _shown(value: Any) -> str:
+    """A config value in an error: short and escaped (the file is outside text)."""
+    return escape(repr(value), 40)
+
+
 def _number(data: dict[str, Any], key: str, source: str, low: float, high: float) -> float:
     value = data.get(key)
     if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
         raise ConfigurationError(
-            f"{key} = {value!r} is not a number from {low:g} to {high:g}", source=source
+            f"{key} = {_shown(value)} is not a number from {low:g} to {high:g}", source=source
         )
     return float(value)
 
@@ -105,7 +111,7 @@ def adapter_config(data: Any, files: set[str], source: str) -> AdapterConfig:
     if "peft_type" in data or "lora_alpha" in data:
         if str(data.get("peft_type", "LORA")).upper() != "LORA":
             raise ConfigurationError(
-                f"peft_type {data.get('peft_type')!r} is not a LoRA adapter; only LoRA and "
+                f"peft_type {_shown(data.get('peft_type'))} is not a LoRA adapter; only LoRA and "
                 "DoRA adapters are served",
                 source=source,
             )
@@ -131,7 +137,9 @@ def adapter_config(data: Any, files: set[str], source: str) -> AdapterConfig:
             source=source,
         )
     if fine_tune not in ("lora", "dora"):
-        raise ConfigurationError(f"fine_tune_type {fine_tune!r} is not lora or dora", source=source)
+        raise ConfigurationError(
+            f"fine_tune_type {_shown(fine_tune)} is not lora or dora", source=source
+        )
     params = data.get("lora_parameters")
     if not isinstance(params, dict):
         raise ConfigurationError(

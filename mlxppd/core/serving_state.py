@@ -4,12 +4,18 @@ carries them out).
     STARTING --start--> SERVING --lose(recoverable)--> RECOVERING --recover--> SERVING
         |                  |                              |
         +--lose/break------+--lose/break--> DOWN <--give_up+
-                                             |
-                                             +--recover--> SERVING (the lost stage came back)
+                           |                 |
+                           |                 +--recover--> SERVING (the lost stage came back)
+                           |
+                           +--restore--> RESTORING --recover--> SERVING (the file's layout)
+                                            |  lose(recoverable) --> RECOVERING
+                                            +--give_up/lose/break--> DOWN
 
-Any state --stop--> STOPPED, which is final. A loss seen while DOWN keeps the first reason
-(the one an operator needs); a loss seen while RECOVERING or STOPPED is not an event: the
-recovery replaces every link anyway.
+RESTORING is a failover's layout being undone once the lost nodes serve again: new requests
+wait as they do while RECOVERING, running ones finish (or are replayed on the restored
+pipeline). Any state --stop--> STOPPED, which is final. A loss seen while DOWN keeps the first
+reason (the one an operator needs); a loss seen while RECOVERING or STOPPED is not an event:
+the recovery replaces every link anyway.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ class ServingState(StrEnum):
     """every stage link is up"""
     RECOVERING = "recovering"
     """a stage was lost; requests wait while a new pipeline is found (failover)"""
+    RESTORING = "restoring"
+    """the lost nodes serve again; new requests wait while the cluster file's layout returns"""
     DOWN = "down"
     """the pipeline is lost (or serves the wrong model); requests fail until it is back"""
     STOPPED = "stopped"
@@ -41,6 +49,8 @@ class ServingEvent(StrEnum):
     """a new pipeline serves (after a failover, or the lost stage came back)"""
     GIVE_UP = "give_up"
     """the failover found no new pipeline"""
+    RESTORE = "restore"
+    """the nodes a failover left out answer again: the cluster file's layout comes back"""
     BREAK = "break"
     """the stages serve layers that are not the cluster's"""
     STOP = "stop"
@@ -61,6 +71,13 @@ TRANSITIONS: dict[tuple[ServingState, ServingEvent], ServingState] = {
     (_S.SERVING, _E.BREAK): _S.DOWN,
     (_S.RECOVERING, _E.RECOVER): _S.SERVING,
     (_S.RECOVERING, _E.GIVE_UP): _S.DOWN,
+    (_S.SERVING, _E.RESTORE): _S.RESTORING,
+    # A serving stage lost while running requests drain: a failover takes over.
+    (_S.RESTORING, _E.LOSE_RECOVERABLE): _S.RECOVERING,
+    (_S.RESTORING, _E.LOSE): _S.DOWN,
+    (_S.RESTORING, _E.BREAK): _S.DOWN,
+    (_S.RESTORING, _E.RECOVER): _S.SERVING,
+    (_S.RESTORING, _E.GIVE_UP): _S.DOWN,
     (_S.DOWN, _E.LOSE): _S.DOWN,
     (_S.DOWN, _E.BREAK): _S.DOWN,
     (_S.DOWN, _E.RECOVER): _S.SERVING,
@@ -87,12 +104,15 @@ class Serving:
             return self  # the first reason stays: it is the one an operator needs
         if event is ServingEvent.STOP and self.state is ServingState.RECOVERING:
             detail = "the coordinator stopped during a failover"
+        if event is ServingEvent.STOP and self.state is ServingState.RESTORING:
+            detail = "the coordinator stopped while restoring the cluster file's layout"
         return replace(self, state=target, detail=detail, since=now)
 
     @property
     def waits(self) -> bool:
-        """New and interrupted requests wait (a failover is finding a new pipeline)."""
-        return self.state is ServingState.RECOVERING
+        """New and interrupted requests wait (a failover is finding a new pipeline, or the
+        cluster file's layout is coming back)."""
+        return self.state in (ServingState.RECOVERING, ServingState.RESTORING)
 
     @property
     def refuses(self) -> bool:
@@ -103,6 +123,8 @@ class Serving:
         """The health check's sentence."""
         if self.state is ServingState.RECOVERING:
             return f"recovering: {self.detail}"
+        if self.state is ServingState.RESTORING:
+            return f"restoring: {self.detail}"
         if self.state is ServingState.STARTING:
             return f"starting: {self.detail}"
         if self.state is ServingState.SERVING:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import threading
 import weakref
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import llguidance
@@ -89,6 +90,25 @@ class Constraint:
         # apply() the model's forward pass has streamed its weights through every cache
         # level, and the same mask then costs several times more (docs/structured-output.md).
         self._allowed_row()
+
+    def follow(self, tokens: Sequence[int]) -> None:
+        """Follow ``tokens`` at once: a replayed sequence's output so far, which its new copy
+        of the grammar must have seen before the next draw. ValueError (state unchanged) if
+        the grammar does not allow them; no mask is computed on the way."""
+        ids = list(tokens)
+        if bad := [t for t in ids if not 0 <= t < self._vocab]:
+            raise ValueError(f"replayed token {bad[0]} is outside the vocabulary of {self._vocab}")
+        allowed = self._matcher.validate_tokens(ids) if ids else 0
+        if allowed < len(ids):
+            raise ValueError(
+                f"replayed token {allowed} of {len(ids)} (id {ids[allowed]}) is not allowed by "
+                "the grammar there"
+            )
+        if ids and not self._matcher.consume_tokens(ids):
+            raise ValueError(
+                f"the grammar refused the replayed tokens: {self._matcher.get_error()}"
+            )
+        self._allowed = None
 
     def is_finished(self) -> bool:
         """A complete value has been produced: only EOS may follow."""

@@ -12,8 +12,10 @@ A transfer appends to ``data.part``; an interrupted one resumes where the file e
 byte is sent twice. Commit hashes every received tensor against the cluster's record: one that
 differs is dropped (with everything after it) and nothing is installed. The copy is built in a
 sibling directory (the tensors this node already held, copied locally, plus the received ones)
-and renamed into place, then hashed again from disk. A stage loads from ``current/`` only when
-every tensor it needs is there and still matches ``prepared.json`` (``stage_model_dir``).
+and hashed again from disk there; only a copy holding exactly the manifest's tensors is renamed
+into place, so a failure at any step leaves the installed copy as it was. A stage loads from
+``current/`` only when every tensor it needs is there and still matches ``prepared.json``
+(``stage_model_dir``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxppd.core.errors import ConfigurationError
+from mlxppd.core.log_text import escape
 from mlxppd.core.model_identity import (
     StageIdentity,
     TensorRecord,
@@ -153,6 +156,7 @@ class ModelReceiver:
         #: bytes received by this process (progress), and bytes found from an earlier try
         self.received = 0
         self.resumed = 0
+        _recover_swap(root)
 
     @property
     def incoming(self) -> Path:
@@ -236,20 +240,19 @@ class ModelReceiver:
         self.received += len(data)
 
     def commit(self) -> PrepareResult:
-        """Verify what arrived, install the copy, hash it again from disk."""
+        """Verify what arrived, build the copy, hash it from disk, and only then install it."""
         manifest = self._manifest
         if manifest is None:
             raise ValueError("commit before a prepare check")
         try:
             offsets = self._verify_received()
-            copy = self._install(manifest, offsets)
-        except TransferError as exc:
+            copy, records = self._install(manifest, offsets)
+        except (TransferError, ConfigurationError) as exc:
             log.error("prepare: %s", exc)
             return PrepareResult(ok=False, error=str(exc)[:600])
         shutil.rmtree(self.incoming, ignore_errors=True)
         self._manifest = None
-        records = list(stored_tensors(copy, lambda _n: True, None).values())
-        identity = identity_of((s.record for s in records), manifest.config, manifest.layers)
+        identity = identity_of(records, manifest.config, manifest.layers)
         log.info(
             "prepare: installed %d tensors (%d received, %.1f MB) at %s; sha256 %s",
             identity.tensors, len(offsets), self._total / 1e6, copy, identity.short(),
@@ -271,24 +274,42 @@ class ModelReceiver:
                 with self.part.open("r+b") as f:
                     f.truncate(at)  # keep the verified bytes before it for the next try
                 raise TransferError(
-                    f"tensor {record.name} arrived with sha256 {got[:16]}, the cluster's record "
-                    f"says {record.sha256[:16]}; it was discarded and nothing was installed"
+                    f"tensor {escape(record.name)} arrived with sha256 {got[:16]}, the cluster's "
+                    f"record says {record.sha256[:16]}; it was discarded and nothing was installed"
                 )
             offsets[record.name] = at
             at += record.nbytes
         return offsets
 
-    def _install(self, manifest: PrepareManifest, received: dict[str, int]) -> Path:
-        building = self.root / f".install-{os.getpid()}"
+    def _install(
+        self, manifest: PrepareManifest, received: dict[str, int]
+    ) -> tuple[Path, list[TensorRecord]]:
+        """Build the copy beside ``current/``, check it from disk, then swap it in; on any
+        failure before the swap the building directory goes and ``current/`` is untouched."""
+        building = self.root / f"{_BUILDING}{os.getpid()}"
         shutil.rmtree(building, ignore_errors=True)
         building.mkdir(parents=True)
+        try:
+            records = self._build(building, manifest, received)
+        except BaseException:
+            shutil.rmtree(building, ignore_errors=True)
+            raise
+        current = self.root / "current"
+        _swap_in(building, current, self.root / f"{_OLD}{os.getpid()}")
+        return current, records
+
+    def _build(
+        self, building: Path, manifest: PrepareManifest, received: dict[str, int]
+    ) -> list[TensorRecord]:
         sources: list[tuple[TensorRecord, Path, int]] = []
         for record in sorted(manifest.records, key=lambda r: r.name):
             if record.name in received:
                 sources.append((record, self.part, received[record.name]))
-            else:
+            elif record.name in self._local:
                 local = self._local[record.name]
                 sources.append((record, local.path, local.offset))
+            else:
+                raise TransferError(f"tensor {escape(record.name)} was neither held nor received")
         _write_safetensors(building / "model.safetensors", sources)
         _write_atomic(building / "config.json", json.dumps(manifest.config, indent=2).encode())
         description = {
@@ -298,17 +319,57 @@ class ModelReceiver:
             "records": [r.model_dump() for r in manifest.records],
         }
         _write_atomic(building / "prepared.json", json.dumps(description).encode())
-        current, old = self.root / "current", self.root / f".old-{os.getpid()}"
-        if current.exists():
-            os.replace(current, old)
+        # What a stage would read: exactly the manifest's tensors, each as verified.
+        on_disk = stored_tensors(building, lambda _n: True, None)
+        wanted = {r.name: r for r in manifest.records}
+        for name, record in wanted.items():
+            stored = on_disk.get(name)
+            if stored is None or stored.record != record:
+                raise TransferError(
+                    f"tensor {escape(name)} did not read back as verified from the copy built "
+                    "for it; nothing was installed and the copy already here is unchanged"
+                )
+        if len(on_disk) != len(manifest.records):
+            raise TransferError(
+                f"the copy built holds {len(on_disk)} tensors, the manifest lists "
+                f"{len(manifest.records)}; nothing was installed and the copy already here is "
+                "unchanged"
+            )
+        return [s.record for s in on_disk.values()]
+
+
+_BUILDING, _OLD = ".install-", ".old-"
+
+
+def _swap_in(building: Path, current: Path, old: Path) -> None:
+    """Rename ``building`` to ``current``; the copy it replaces is put back if that fails."""
+    shutil.rmtree(old, ignore_errors=True)
+    had = current.exists()
+    if had:
+        os.replace(current, old)
+    try:
         os.replace(building, current)
-        shutil.rmtree(old, ignore_errors=True)
-        on_disk = stored_tensors(current, lambda _n: True, None)
-        for record in manifest.records:
-            if on_disk[record.name].record != record:
-                shutil.rmtree(current, ignore_errors=True)
-                raise TransferError(f"tensor {record.name} changed while it was installed")
-        return current
+    except BaseException:
+        if had:
+            os.replace(old, current)
+        shutil.rmtree(building, ignore_errors=True)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _recover_swap(root: Path) -> None:
+    """A process killed between the two renames of ``_swap_in`` left no ``current/``: the copy
+    it was replacing is put back (the new one was not installed yet)."""
+    current = root / "current"
+    if current.exists() or not root.is_dir():
+        return
+    for old in sorted(root.glob(f"{_OLD}*")):
+        if (old / "prepared.json").is_file():
+            os.replace(old, current)
+            log.warning(
+                "prepare: restored the installed copy from %s (an install was cut off)", old
+            )
+            return
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

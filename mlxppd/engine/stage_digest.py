@@ -19,7 +19,7 @@ import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.model_identity import StageIdentity, TensorRecord, identity_of
@@ -45,36 +45,83 @@ class StoredTensor:
 def safetensors_header(path: Path) -> tuple[int, dict[str, Any]]:
     """Where the data starts, and the header's tensor entries (``__metadata__`` dropped)."""
     with path.open("rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise ConfigurationError("is not a safetensors file (too short)", source=str(path))
-        (size,) = struct.unpack("<Q", raw)
-        if size > MAX_HEADER_BYTES:
-            raise ConfigurationError(
-                f"has a {size}-byte header, more than {MAX_HEADER_BYTES}", source=str(path)
-            )
-        try:
-            header = json.loads(f.read(size))
-        except ValueError:
-            raise ConfigurationError("has a malformed header", source=str(path)) from None
+        return read_safetensors_header(f, os.fstat(f.fileno()).st_size, str(path))
+
+
+def read_safetensors_header(f: BinaryIO, size: int, source: str) -> tuple[int, dict[str, Any]]:
+    """``safetensors_header`` of the open file ``f`` of ``size`` bytes; ``source`` names it.
+
+    Every entry is checked (dtype, shape, data inside the file), so a caller reads fields
+    without a KeyError. Errors never quote the file's bytes: a file that is not safetensors
+    (a key, a log) must not have its first bytes echoed back as a "header length".
+    """
+    not_safetensors = "is not a safetensors file"
+    f.seek(0)
+    raw = f.read(8)
+    if len(raw) != 8:
+        raise ConfigurationError(f"{not_safetensors} (too short)", source=source)
+    (length,) = struct.unpack("<Q", raw)
+    if length > min(MAX_HEADER_BYTES, size - 8):
+        raise ConfigurationError(
+            f"{not_safetensors} (its header length is past the end of the file or over "
+            f"{MAX_HEADER_BYTES >> 20} MiB)",
+            source=source,
+        )
+    try:
+        header = json.loads(f.read(length))
+    except (ValueError, RecursionError):  # RecursionError: nesting deeper than json allows
+        raise ConfigurationError(
+            f"{not_safetensors} (its header is not JSON)", source=source
+        ) from None
     if not isinstance(header, dict):
-        raise ConfigurationError("has a malformed header", source=str(path))
+        raise ConfigurationError(f"{not_safetensors} (its header is not an object)", source=source)
     header.pop("__metadata__", None)
-    return 8 + size, header
+    data_bytes = size - 8 - length
+    for index, entry in enumerate(header.values()):
+        if not _valid_entry(entry, data_bytes):
+            raise ConfigurationError(
+                f"{not_safetensors} (entry {index} of its header is not a tensor with a dtype, "
+                "a shape and data_offsets inside the file)",
+                source=source,
+            )
+    return 8 + length, header
+
+
+def _valid_entry(entry: Any, data_bytes: int) -> bool:
+    if not isinstance(entry, dict):
+        return False
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    return (
+        isinstance(dtype, str)
+        and 0 < len(dtype) <= 16
+        and isinstance(shape, list)
+        and all(type(d) is int and d >= 0 for d in shape)
+        and isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(type(x) is int for x in offsets)
+        and 0 <= offsets[0] <= offsets[1] <= data_bytes
+    )
 
 
 def hash_range(path: Path, offset: int, length: int, digest: Any = None) -> Any:
     """SHA-256 (or ``digest`` updated) over ``length`` bytes of ``path`` from ``offset``."""
-    digest = digest if digest is not None else hashlib.sha256()
     with path.open("rb") as f:
-        f.seek(offset)
-        left = length
-        while left > 0:
-            chunk = f.read(min(_CHUNK, left))
-            if not chunk:
-                raise ConfigurationError(f"ends {left} bytes early", source=str(path))
-            digest.update(chunk)
-            left -= len(chunk)
+        return hash_file_range(f, offset, length, digest, str(path))
+
+
+def hash_file_range(
+    f: BinaryIO, offset: int, length: int, digest: Any = None, source: str = ""
+) -> Any:
+    """``hash_range`` over the open file ``f``."""
+    digest = digest if digest is not None else hashlib.sha256()
+    f.seek(offset)
+    left = length
+    while left > 0:
+        chunk = f.read(min(_CHUNK, left))
+        if not chunk:
+            raise ConfigurationError(f"ends {left} bytes early", source=source or None)
+        digest.update(chunk)
+        left -= len(chunk)
     return digest
 
 

@@ -30,6 +30,13 @@ class _Group:
     unbatched: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class RowFailed:
+    """A micro-batch member whose sampling failed on this stage."""
+
+    message: str
+
+
 def _mergeable(caches: list[Any]) -> bool:
     return all(callable(getattr(type(c), "merge", None)) for c in caches)
 
@@ -82,7 +89,7 @@ class StageRunner:
                 self._caches.pop(gone, None)
             for seq in seqs:
                 if seq not in self._caches:
-                    raise ValueError(f"sequence {seq} joins a micro-batch before its prefill")
+                    raise ValueError(f"sequence {seq} holds no caches here to join a micro-batch")
                 self._group_of[seq] = group_id
             group.seqs = list(seqs)
             group.released -= set(seqs)
@@ -102,7 +109,7 @@ class StageRunner:
             for seq in newcomers:
                 single = self._caches.pop(seq, None)
                 if single is None:
-                    raise ValueError(f"sequence {seq} joins a micro-batch before its prefill")
+                    raise ValueError(f"sequence {seq} holds no caches here to join a micro-batch")
                 singles.append(single)
                 self._group_of[seq] = group_id
             # mlx-lm's batch caches: left-padded to the longest member, as BatchGenerator does.
@@ -141,7 +148,9 @@ class StageRunner:
 
     def forward_group_and_sample(
         self, group_id: str, seqs: list[str], x: mx.array, logprobs: bool
-    ) -> list[Sampled]:
+    ) -> list[Sampled | RowFailed]:
+        """The members' next tokens; a member whose own sampling failed gets a ``RowFailed``
+        in its row, and the others their tokens (its failure is not the group's)."""
         logits = self._group_forward(group_id, seqs, x)[:, -1, :]
         samplers = [self._samplers.get(s, GREEDY) for s in seqs]
         if not any(s.processors or s.top_logprobs or s.constraint for s in samplers):
@@ -149,20 +158,30 @@ class StageRunner:
             scores = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             tokens = [sampler.draw(scores[i : i + 1]) for i, sampler in enumerate(samplers)]
             mx.eval(tokens, scores)
-            out = []
+            out: list[Sampled | RowFailed] = []
             for i, token in enumerate(tokens):
                 value = cast(int, token.item())
                 logprob = cast(float, scores[i, value].item()) if logprobs else None
                 out.append(Sampled(value, logprob))
             return out
-        return [
-            sampler.sample(sampler.scores(logits[i : i + 1]), logprobs)
-            for i, sampler in enumerate(samplers)
-        ]
+        out_rows: list[Sampled | RowFailed] = []
+        for i, sampler in enumerate(samplers):
+            try:
+                out_rows.append(sampler.sample(sampler.scores(logits[i : i + 1]), logprobs))
+            except Exception as exc:  # one member's sampler (its grammar, its processors)
+                out_rows.append(RowFailed(str(exc)))
+        return out_rows
 
     @property
     def active(self) -> int:
         return len(self._caches)
+
+    def holds(self, seq: str) -> bool:
+        """``seq`` has caches here (alone, or as a member of a micro-batch not released)."""
+        if seq in self._caches:
+            return True
+        group_id = self._group_of.get(seq)
+        return group_id is not None and seq not in self._groups[group_id].released
 
     def set_sampler(self, seq: str, sampler: SequenceSampler) -> None:
         """The sampler of ``seq`` until it is released (greedy when none is set)."""

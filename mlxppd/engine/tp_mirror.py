@@ -25,7 +25,7 @@ import numpy as np
 from mlxppd.core.protocol.tensor_mirror import MirrorCall, MirrorOp
 from mlxppd.engine.sampling import Sampled
 from mlxppd.engine.stage import LoadedStage
-from mlxppd.engine.stage_runner import StageRunner
+from mlxppd.engine.stage_runner import RowFailed, StageRunner
 
 __all__ = ["Announce", "CallLog", "MirroredRunner", "apply", "gather_ints", "gather_json"]
 
@@ -108,7 +108,7 @@ class MirroredRunner(StageRunner):
 
     def forward_group_and_sample(
         self, group_id: str, seqs: list[str], x: mx.array, logprobs: bool
-    ) -> list[Sampled]:
+    ) -> list[Sampled | RowFailed]:
         call = MirrorCall(mirror=MirrorOp.FORWARD_GROUP, group=group_id, seqs=seqs)
         return self._mirrored(
             call,

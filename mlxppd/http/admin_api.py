@@ -3,11 +3,14 @@
 Every route checks an ``MLXPP-HMAC`` signature made with a key derived from the cluster secret
 (``mlxppd.wire.admin_auth``), bound to the cluster's name and to a ``Host`` header that names
 this server; the OpenAI API key plays no part here, and an admin signature opens nothing under
-/v1. Only two routes are unsigned: ``GET /admin/v1/challenge`` says which cluster name to sign
-for, and ``GET /admin/v1/openapi.json`` is the routes' OpenAPI document (``admin_openapi.py``).
-The runtime supplies an ``AdminController``; the status document it returns is the frozen
-model of ``mlxppd/core/status_document.py``, served as its JSON; docs/admin-api.md is the
-reference for the routes and the status document.
+/v1. What the header alone shows (present, well formed, fresh) is checked before a byte of the
+body is read; the body (at most ``MAX_ADMIN_BODY_BYTES``, within the listener's body deadline)
+is read only to verify the MAC, which covers its digest. Only two routes are unsigned:
+``GET /admin/v1/challenge`` says which cluster name to sign for, and
+``GET /admin/v1/openapi.json`` is the routes' OpenAPI document (``admin_openapi.py``). The
+runtime supplies an ``AdminController``; the status document it returns is the frozen model of
+``mlxppd/core/status_document.py``, served as its JSON; docs/admin-api.md is the reference for
+the routes and the status document.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from mlxppd.core.agent.health import overall_health
+from mlxppd.core.log_text import escape
+from mlxppd.core.log_throttle import LogThrottle
 from mlxppd.core.status_document import ClusterStatus, RepartitionEvents, StatusDocument
 from mlxppd.http.admin_models import (
     ADAPTERS_PATH,
@@ -43,6 +48,7 @@ from mlxppd.http.admin_models import (
     RepartitionRequest,
 )
 from mlxppd.http.admin_openapi import admin_openapi_text
+from mlxppd.http.base_app import read_bounded
 from mlxppd.http.errors import ApiError, error_response
 from mlxppd.runtime.observability.metrics import PipelineMetrics
 from mlxppd.runtime.system.host_addresses import is_local_address
@@ -247,8 +253,10 @@ def add_admin_routes(
             return error_response(ApiError(400, "after must be an integer", code="invalid_after"))
         return _json((await controller.events(after)).model_dump(mode="json"))
 
+    refusals = LogThrottle()
+
     def guarded(route: str, action: Callable[[web.Request], Awaitable[web.Response]]) -> Handler:
-        return _guarded(route, action, verifier, on_auth_failure)
+        return _guarded(route, action, verifier, on_auth_failure, refusals)
 
     async def challenge_route(request: web.Request) -> web.Response:
         return _json({"scheme": SCHEME, "cluster": verifier.cluster_name})
@@ -307,38 +315,27 @@ def _json(document: dict[str, Any], status: int = 200) -> web.Response:
     return web.json_response(document, status=status, headers={"Cache-Control": "no-store"})
 
 
-async def _read_bounded(request: web.Request) -> bytes | None:
-    """The request body, or None when it is larger than MAX_ADMIN_BODY_BYTES."""
-    if request.content_length is not None and request.content_length > MAX_ADMIN_BODY_BYTES:
-        return None
-    chunks: list[bytes] = []
-    size = 0
-    while chunk := await request.content.readany():
-        size += len(chunk)
-        if size > MAX_ADMIN_BODY_BYTES:
-            return None
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 def _guarded(
     route: str,
     action: Callable[[web.Request], Awaitable[web.Response]],
     verifier: AdminVerifier,
     on_auth_failure: Callable[[str], None] | None,
+    refusals: LogThrottle,
 ) -> Handler:
-    """``action`` behind a bounded body, a verified signature, and one JSON error on failure."""
+    """``action`` behind a signature checked as far as the header goes before any of the body
+    is read, a bounded body, the whole signature verified, and one JSON error on failure."""
 
     async def handler(request: web.Request) -> web.StreamResponse:
-        body = await _read_bounded(request)
-        if body is None:
-            return error_response(
-                ApiError(
-                    413,
-                    f"an admin request body is at most {MAX_ADMIN_BODY_BYTES} bytes",
-                    code="request_too_large",
-                )
-            )
+        try:
+            # Missing, malformed or stale: refused unread, so a client without the key holds
+            # nothing (the listener drains and closes the rest).
+            verifier.check_header(request.headers.get("Authorization"))
+        except AdminAuthError as exc:
+            return _refused(request, route, exc, verifier, on_auth_failure, refusals)
+        try:
+            body = await read_bounded(request, MAX_ADMIN_BODY_BYTES, "an admin request body")
+        except ApiError as error:
+            return error_response(error)
         try:
             # raw_path is the path (and query) exactly as the client sent and signed it.
             verifier.verify(
@@ -352,7 +349,7 @@ def _guarded(
             if not await _names_this_server(request):
                 raise AdminAuthError("wrong_host")
         except AdminAuthError as exc:
-            return _refused(request, route, exc, verifier, on_auth_failure)
+            return _refused(request, route, exc, verifier, on_auth_failure, refusals)
         request[_BODY] = body
         try:
             return await action(request)
@@ -376,15 +373,19 @@ def _refused(
     exc: AdminAuthError,
     verifier: AdminVerifier,
     on_auth_failure: Callable[[str], None] | None,
+    refusals: LogThrottle,
 ) -> web.Response:
+    # Anyone can be refused at will: one line per interval, with the counts since the last.
     # The route, not the raw path, and never the header: neither can smuggle text in.
-    log.warning(
-        "admin request refused: %s %s from %s: %s",
-        request.method,
-        route,
-        request.remote or "unknown peer",
-        exc.reason,
-    )
+    if (counts := refusals.note(exc.reason)) is not None:
+        log.warning(
+            "admin request refused: %s %s from %s: %s (refusals since the last line: %s)",
+            request.method,
+            route,
+            escape(request.remote or "unknown peer", 64),
+            exc.reason,
+            counts,
+        )
     if on_auth_failure is not None:
         on_auth_failure(exc.reason)
     return error_response(

@@ -52,6 +52,7 @@ _SIGNED_ERRORS = {
         "The signature is missing, malformed, stale, replayed, made with another key or for "
         "another cluster or Host (`code` says which); WWW-Authenticate names the cluster."
     ),
+    "408": "The request body did not arrive within the server's body timeout.",
     "413": "The request body is over 64 KiB.",
     "500": "The coordinator failed; its log has the details.",
 }

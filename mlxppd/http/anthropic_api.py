@@ -32,13 +32,20 @@ from mlxppd.http.anthropic_models import (
 )
 from mlxppd.http.anthropic_tools import chat_messages, tool_plan
 from mlxppd.http.api_state import STATE, ApiState
-from mlxppd.http.base_app import client_gone, read_json, request_log, serve_errors_as
+from mlxppd.http.base_app import (
+    body_bytes,
+    client_gone,
+    read_json,
+    request_log,
+    serve_errors_as,
+)
 from mlxppd.http.chat_prompt import chat_prompt, has_chat_template
 from mlxppd.http.completion import Generation
 from mlxppd.http.errors import ApiError, invalid
-from mlxppd.http.generation import GenerationRequest, choice_params
+from mlxppd.http.generation import GenerationRequest, choice_params, prompt_context
 from mlxppd.http.models_api import check_model
-from mlxppd.http.sse import SseWriter, failures_end_stream
+from mlxppd.http.prompt_bound import bounded_tokens
+from mlxppd.http.sse import SseWriter, StreamFeed, failures_end_stream
 from mlxppd.http.tools import ToolPlan
 from mlxppd.http.validation import validate
 
@@ -92,9 +99,13 @@ def _turns(body: Conversation) -> tuple[list[dict[str, Any]], bool]:
     return turns, continued
 
 
-async def _prompt(state: ApiState, body: Conversation, plan: ToolPlan) -> tuple[list[int], bool]:
-    """The prompt's tokens, and whether they end in a prefill the reply continues."""
+async def _prompt(
+    state: ApiState, body: Conversation, plan: ToolPlan, size: int
+) -> tuple[list[int], bool]:
+    """The prompt's tokens, and whether they end in a prefill the reply continues (``size``:
+    the request body's bytes, which pick the tokenizer's lane)."""
     tokenizer = state.loaded_tokenizer()
+    context = prompt_context(state)
     if not has_chat_template(tokenizer):
         raise invalid("this model has no chat template, which the Messages API needs", "messages")
     messages, continued = _turns(body)
@@ -103,12 +114,15 @@ async def _prompt(state: ApiState, body: Conversation, plan: ToolPlan) -> tuple[
 
     def render() -> list[int]:
         if not continued:  # rendered as /v1/chat/completions renders a conversation
-            return chat_prompt(tokenizer, messages, plan)
-        options = {"continue_final_message": True}
-        return [int(t) for t in tokenizer.apply_chat_template(messages, **options)]
+            return chat_prompt(tokenizer, messages, plan, context)
+        options = {"continue_final_message": True, "tokenize": False}
+        text = tokenizer.apply_chat_template(messages, **options)
+        return bounded_tokens(tokenizer, text, context, "messages", add_special_tokens=False)
 
     try:
-        return await state.off_loop(render), continued
+        return await state.off_loop(render, size=size), continued
+    except ApiError:
+        raise  # too long for the context, found before tokenizing
     except Exception as exc:  # the template rejects the conversation (e.g. roles out of order)
         reason = str(exc)[:_MAX_TEMPLATE_ERROR_CHARS]
         raise invalid(f"the chat template rejected the messages: {reason}", "messages") from None
@@ -155,7 +169,7 @@ async def _prompted(request: web.Request, state: ApiState, model: type[C]) -> _P
     body = validate(model, await read_json(request))
     check_model(state, body.model)
     plan = _tools(body)
-    prompt, continued = await _prompt(state, body, plan)
+    prompt, continued = await _prompt(state, body, plan, body_bytes(request))
     return _Prompted(body, plan, prompt, continued)
 
 
@@ -200,14 +214,13 @@ async def _stream(
             await sse.send(event)
         # With tools, text that may begin a call is held back; the calls go out at the end.
         hold = message.tools.holdback()
-        pieces = gen.pieces()
-        try:
-            async for piece in pieces:
+        async with StreamFeed(request, [gen.pieces()]) as feed:
+            async for _, piece in feed:
+                if piece is None:
+                    break
                 text = hold.feed(piece.text) if hold is not None else piece.text
                 if text:
                     await sse.send(message.text_delta(text))
-        finally:
-            await pieces.aclose()
         for event in message.closing(gen):
             await sse.send(event)
         await sse.close()

@@ -19,8 +19,16 @@ T = TypeVar("T")
 
 #: requests handled at once; more get a 503 with Retry-After (the KV budget admits fewer)
 DEFAULT_MAX_IN_FLIGHT = 256
-#: seconds a client has to send its whole body once the headers are in
-DEFAULT_BODY_TIMEOUT_S = 30.0
+#: stream events held for a client reading slower than the model writes; one more and the
+#: client has stopped reading: the stream is cut (``http/sse.py``)
+DEFAULT_STREAM_BUFFER_EVENTS = 64
+#: a stream's kernel send buffer (the kernel doubles it): without a cap a client that does not
+#: read has the kernel hold megabytes for it before the server notices
+DEFAULT_STREAM_SEND_BUFFER_BYTES = 16 * 1024
+#: a request body over this many bytes is rendered and tokenized on the bulk lane, so a huge
+#: prompt never waits in front of the small ones
+BULK_INPUT_BYTES = 64 * 1024
+BULK_THREAD = "mlxpp-tokenize-bulk"
 #: tokenizers report ~1e30 when they do not know the context; above this we treat it as unknown
 _CONTEXT_SANITY = 10_000_000
 
@@ -34,12 +42,18 @@ class ApiState:
     default_max_tokens: int
     max_body_bytes: int
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
-    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    stream_buffer_events: int = DEFAULT_STREAM_BUFFER_EVENTS
+    stream_send_buffer_bytes: int = DEFAULT_STREAM_SEND_BUFFER_BYTES
     in_flight: int = 0
     created: int = field(default_factory=lambda: int(time.time()))
-    #: one thread: tokenizing a 4 MiB prompt must not stall the event loop, and one worker
-    #: keeps HF tokenizers from being mutated from two threads at once
+    #: one thread for small inputs and one for bulk ones (``BULK_INPUT_BYTES``): tokenizing
+    #: must not stall the event loop, nor a huge prompt every small one. Encoding only reads a
+    #: tokenizer (nothing here sets its truncation or padding), so the two may run at once.
     tokenize: ThreadPoolExecutor | None = None
+    tokenize_bulk: ThreadPoolExecutor | None = None
+    #: the hosts the app's listeners are bound to (``note_listener``): a Host header may name
+    #: them when no key is set (``http/same_origin.py``)
+    listen_hosts: set[str] = field(default_factory=set)
     #: request counters (None: metrics off)
     metrics: PipelineMetrics | None = None
     #: per path root (that path and those below it): the error shape of the API served there;
@@ -61,9 +75,11 @@ class ApiState:
             raise BackendUnavailable("the model is still loading; retry shortly")
         return tokenizer
 
-    async def off_loop(self, fn: Callable[[], T]) -> T:
-        """``fn()`` on the tokenizer thread (``tokenize``), away from the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self.tokenize, fn)
+    async def off_loop(self, fn: Callable[[], T], size: int = 0) -> T:
+        """``fn()``, the work on an input of ``size`` bytes, on a tokenizer thread away from the
+        event loop: the bulk lane when ``size`` is over ``BULK_INPUT_BYTES``."""
+        lane = self.tokenize_bulk if size > BULK_INPUT_BYTES else self.tokenize
+        return await asyncio.get_running_loop().run_in_executor(lane, fn)
 
     def error_shape(self, path: str) -> ErrorShape:
         """How an error answering ``path`` is written."""

@@ -4,8 +4,11 @@
 api key, in-flight cap, metrics, one log line per request, and every failure rendered in the
 error shape of the API whose path was asked: ``serve_errors_as``), ``/health`` and
 ``/metrics``. The APIs add their routes to it: ``http/openai_api.py``, ``http/anthropic_api.py``,
-the admin API and the console. Handlers read bodies with ``read_json`` (size and time limits)
-and report into their request's log line through ``request_log``.
+the admin API and the console. Handlers read bodies with ``read_json`` (the size limit here, the
+time limit the listener's: ``app/http_site.py``) and report into their request's log line
+through ``request_log``. Without an API key, what a key would guard answers only requests a web
+page elsewhere cannot make (``http/same_origin.py``). A client gone mid-request (a reset) is one
+quiet line, its request's, and counted.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from mlxppd.core.log_text import escape
-from mlxppd.http.api_state import STATE, ApiState
+from mlxppd.http.api_state import BULK_THREAD, STATE, ApiState
 from mlxppd.http.completion import ClientGone
 from mlxppd.http.errors import (
     ADMISSION_RETRY_AFTER_S,
@@ -33,6 +36,7 @@ from mlxppd.http.errors import (
     ErrorShape,
     from_backend_error,
 )
+from mlxppd.http.same_origin import check_same_origin
 from mlxppd.http.validation import parse_json_body
 from mlxppd.runtime.backends.contract import (
     AdmissionRejected,
@@ -66,6 +70,14 @@ _LOG: Any = (
     if hasattr(web, "RequestKey")
     else "mlxpp_request_log"
 )
+_BODY_BYTES: Any = (
+    web.RequestKey("mlxpp_body_bytes", int) if hasattr(web, "RequestKey") else "mlxpp_body_bytes"
+)
+
+
+class BodyDeadline(TimeoutError):
+    """The request's body did not arrive within the listener's body deadline (raised into a
+    handler reading it by ``app/http_site.py``; the middleware answers it with a 408)."""
 
 
 def request_log(request: web.Request) -> RequestLog:
@@ -82,6 +94,32 @@ def client_gone(request: web.Request) -> Callable[[], bool]:
         return transport is None or transport.is_closing()
 
     return gone
+
+
+def body_bytes(request: web.Request) -> int:
+    """The size of the body ``read_json`` read (0 before), which picks the tokenizer's lane."""
+    size: int = request.get(_BODY_BYTES, 0)
+    return size
+
+
+def cut_counter(app: web.Application) -> Callable[[str], None] | None:
+    """Where the connections cut on ``app``'s clients are counted, by reason: its metrics'
+    ``mlxpp_http_connections_cut`` (None when it has no metrics)."""
+    metrics = app[STATE].metrics if STATE in app else None
+    if metrics is None:
+        return None
+    counter = metrics.http_cut
+
+    def count(reason: str) -> None:
+        counter.labels(reason=reason).inc()
+
+    return count
+
+
+def note_listener(app: web.Application, host: str) -> None:
+    """The listener serving ``app`` is bound to ``host``: a Host header may name it."""
+    if STATE in app:
+        app[STATE].listen_hosts.add(host.lower())
 
 
 def base_app(state: ApiState, *, metrics_route: bool = True) -> web.Application:
@@ -122,28 +160,42 @@ def create_metrics_app(metrics: PipelineMetrics) -> web.Application:
 async def _tokenizer_thread(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
     state.tokenize = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxpp-tokenize")
+    state.tokenize_bulk = ThreadPoolExecutor(max_workers=1, thread_name_prefix=BULK_THREAD)
     yield
-    state.tokenize.shutdown(wait=False, cancel_futures=True)
-    state.tokenize = None
+    for lane in (state.tokenize, state.tokenize_bulk):
+        lane.shutdown(wait=False, cancel_futures=True)
+    state.tokenize = state.tokenize_bulk = None
+
+
+async def read_bounded(request: web.Request, limit: int, what: str) -> bytes:
+    """The request's body, a 413 naming ``what`` past ``limit`` bytes (refused on its
+    Content-Length before a byte is read when it says so); the listener's body deadline
+    applies (``BodyDeadline``)."""
+    too_large = ApiError(413, f"{what} is at most {limit} bytes", code="request_too_large")
+    if request.content_length is not None and request.content_length > limit:
+        raise too_large
+    chunks: list[bytes] = []
+    size = 0
+    while chunk := await request.content.readany():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def read_json(request: web.Request) -> dict[str, Any]:
-    """The request's body as a JSON object, within the app's size and time limits."""
+    """The request's body as a JSON object, within the app's size limit and the listener's
+    body deadline (``BodyDeadline``: a 408)."""
     state = request.app[STATE]
     try:
-        async with asyncio.timeout(state.body_timeout_s):
-            raw = await request.read()
-    except TimeoutError:
-        raise ApiError(
-            408,
-            f"the request body did not arrive within {state.body_timeout_s:g} s",
-            code="request_timeout",
-        ) from None
+        raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         limit = state.max_body_bytes
         raise ApiError(
             413, f"the request body is larger than {limit} bytes", code="request_too_large"
         ) from None
+    request[_BODY_BYTES] = len(raw)
     return parse_json_body(raw)
 
 
@@ -213,6 +265,8 @@ async def _answer(
                 code="invalid_api_key",
                 headers={"WWW-Authenticate": "Bearer"},
             )
+        if state.api_key is None and request.path.startswith(_KEYED_PREFIXES):
+            check_same_origin(request, state.listen_hosts)
         with _counted(state, request):
             response = await handler(request)
         if not response.prepared:
@@ -220,10 +274,21 @@ async def _answer(
         return response
     except (ApiError, AdmissionRejected, BackendUnavailable, RequestRefused, SequenceFailed) as exc:
         error = from_backend_error(exc)
+    except BodyDeadline as exc:
+        error = ApiError(408, str(exc), code="request_timeout")
     except web.HTTPException as exc:  # unknown route, wrong method: the same error shape
         error = ApiError(exc.status, exc.reason, code=exc.reason.lower().replace(" ", "_"))
     except ClientGone:
         return web.Response(status=499)  # nginx's "client closed request"; nothing reaches it
+    except ConnectionError:
+        if client_gone(request)():
+            # The client reset the connection mid-request: its request's line says so, once.
+            request_log(request).note = "the client reset the connection"
+            if (count := cut_counter(request.app)) is not None:
+                count("client_reset")
+            return web.Response(status=499)
+        log.exception("%s %s %s failed", request_id, escape(request.method), escape(request.path))
+        error = from_backend_error(RuntimeError())
     except Exception:
         log.exception("%s %s %s failed", request_id, escape(request.method), escape(request.path))
         error = from_backend_error(RuntimeError())

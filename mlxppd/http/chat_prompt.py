@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from mlxppd.http.prompt_bound import bounded_tokens
 from mlxppd.http.tools import TOOL_CALL_START, ToolDef, ToolPlan, template_messages
 
 _PROBE = [{"role": "user", "content": "x"}]
@@ -36,17 +37,22 @@ def renders_tools(tokenizer: Any, tools: Sequence[ToolDef]) -> bool:
     return _NATIVE[key]
 
 
-def chat_prompt(tokenizer: Any, messages: Sequence[dict[str, Any]], plan: ToolPlan) -> list[int]:
-    """The prompt's token ids (the template may raise on a conversation it refuses)."""
+def chat_prompt(
+    tokenizer: Any, messages: Sequence[dict[str, Any]], plan: ToolPlan, context: int
+) -> list[int]:
+    """The prompt's token ids (the template may raise on a conversation it refuses); a 400
+    before tokenizing when its text is too long for ``context`` tokens (``prompt_bound.py``)."""
     native = plan.active and renders_tools(tokenizer, plan.tools)
     conversation = template_messages(messages, plan.tools, native)
     extra: dict[str, Any] = {}
     if native:
         extra["tools"] = [t.model_dump(mode="json") for t in plan.tools]
-    ids = [
-        int(t)
-        for t in tokenizer.apply_chat_template(conversation, add_generation_prompt=True, **extra)
-    ]
+    # Rendered, then tokenized as the template's own tokenize=True does (no special tokens
+    # added), with the length checked in between.
+    text = tokenizer.apply_chat_template(
+        conversation, add_generation_prompt=True, tokenize=False, **extra
+    )
+    ids = bounded_tokens(tokenizer, text, context, "messages", add_special_tokens=False)
     if plan.forced:
         ids += [int(t) for t in tokenizer.encode(TOOL_CALL_START + "\n", add_special_tokens=False)]
     return ids

@@ -23,6 +23,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from mlxppd.core.errors import MlxppError
+from mlxppd.http.base_app import read_bounded
 from mlxppd.http.completion import ClientGone
 from mlxppd.http.console_feed import ConsoleFeed, WhatIf
 from mlxppd.http.errors import ApiError
@@ -148,13 +149,7 @@ async def _stream(request: web.Request) -> web.StreamResponse:
 
 
 async def _plan(request: web.Request) -> web.Response:
-    if request.content_length is not None and request.content_length > MAX_PLAN_BODY_BYTES:
-        raise ApiError(413, f"a plan request is at most {MAX_PLAN_BODY_BYTES} bytes",
-                       code="request_too_large")  # fmt: skip
-    raw = await request.content.read(MAX_PLAN_BODY_BYTES + 1)
-    if len(raw) > MAX_PLAN_BODY_BYTES:
-        raise ApiError(413, f"a plan request is at most {MAX_PLAN_BODY_BYTES} bytes",
-                       code="request_too_large")  # fmt: skip
+    raw = await read_bounded(request, MAX_PLAN_BODY_BYTES, "a plan request")
     try:
         body = WhatIf.model_validate_json(raw or b"{}")
     except ValidationError as exc:

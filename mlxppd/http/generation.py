@@ -4,14 +4,13 @@ its max_tokens checked against the context and one ``SamplingParams`` per choice
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 
 from mlxppd.core.protocol.sampling import GrammarSpec
 from mlxppd.http.api_state import ApiState
 from mlxppd.http.errors import ApiError, invalid
 from mlxppd.http.models_api import adapter_registry, check_model
-from mlxppd.http.tools import ToolPlan
+from mlxppd.http.tools import ToolPlan, schema_text
 from mlxppd.runtime.backends.contract import RequestRefused, SamplingParams
 
 #: prompt tokens a server takes when neither it nor the tokenizer knows the context
@@ -42,6 +41,11 @@ class GenerationRequest:
     logit_bias: tuple[tuple[int, float], ...] = ()
     #: the output constrained to JSON (response_format json_object / json_schema)
     grammar: GrammarSpec | None = None
+
+
+def prompt_context(state: ApiState) -> int:
+    """The most prompt tokens the server takes: the context, or the fallback when unknown."""
+    return state.context() or FALLBACK_MAX_PROMPT_TOKENS
 
 
 def choice_params(
@@ -126,6 +130,14 @@ def _per_choice(
 
 def _grammar(asked: GenerationRequest, tools: ToolPlan) -> GrammarSpec | None:
     """The output's grammar: a forced tool call's, or the response_format's."""
-    if (schema := tools.call_grammar()) is not None:
-        return GrammarSpec(kind="json_schema", schema_text=json.dumps(schema))
-    return asked.grammar
+    if (schema := tools.call_grammar()) is None:
+        return asked.grammar
+    try:
+        text = schema_text(schema)  # each tool's schema fits; several together may not
+    except ValueError as exc:
+        raise invalid(
+            f"the forced tool call's schema (the parameters of every tool it may call): {exc}",
+            "tool_choice",
+            "invalid_value",
+        ) from None
+    return GrammarSpec(kind="json_schema", schema_text=text)

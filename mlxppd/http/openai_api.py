@@ -9,24 +9,27 @@ app object.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 
 from aiohttp import web
 
 from mlxppd.http.admin_api import AdminApi, add_admin_routes
 from mlxppd.http.api_state import (
-    DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_MAX_IN_FLIGHT,
+    DEFAULT_STREAM_BUFFER_EVENTS,
+    DEFAULT_STREAM_SEND_BUFFER_BYTES,
     STATE,
     ApiState,
 )
-from mlxppd.http.base_app import base_app, client_gone, read_json, request_log
+from mlxppd.http.base_app import base_app, body_bytes, client_gone, read_json, request_log
 from mlxppd.http.chat_prompt import chat_prompt, has_chat_template
 from mlxppd.http.completion import Generation, Piece, start_all
 from mlxppd.http.errors import ApiError, invalid
-from mlxppd.http.generation import choice_params
+from mlxppd.http.generation import choice_params, prompt_context
 from mlxppd.http.models_api import check_model, get_model, list_models
+from mlxppd.http.prompt_bound import bounded_tokens
 from mlxppd.http.responses import Shape
-from mlxppd.http.sse import SseWriter, failures_end_stream
+from mlxppd.http.sse import SseWriter, StreamFeed, failures_end_stream
 from mlxppd.http.tools import ToolPlan, plan_tools
 from mlxppd.http.validation import ParsedRequest, parse_chat, parse_completion
 from mlxppd.runtime.backends.contract import GenerationBackend
@@ -34,9 +37,6 @@ from mlxppd.runtime.observability.metrics import PipelineMetrics
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_TOKENS = 512
-
-#: what one choice's feeder puts on a stream's queue: a piece, its end (None) or its failure
-_Fed = tuple[int, Piece | BaseException | None]
 
 
 def create_app(
@@ -50,7 +50,8 @@ def create_app(
     metrics: PipelineMetrics | None = None,
     admin: AdminApi | None = None,
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
-    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+    stream_buffer_events: int = DEFAULT_STREAM_BUFFER_EVENTS,
+    stream_send_buffer_bytes: int = DEFAULT_STREAM_SEND_BUFFER_BYTES,
     metrics_route: bool = True,
 ) -> web.Application:
     """The OpenAI API app.
@@ -65,7 +66,10 @@ def create_app(
     ``admin``: also serve the signed admin API under /admin/v1 (see admin_api.py); the api key
     does not apply there, and an admin signature opens nothing under /v1.
     ``max_in_flight``: requests handled at once (503 with Retry-After beyond).
-    ``body_timeout_s``: seconds a client has to send its body (408 after).
+    ``stream_buffer_events``: events a stream holds for a client reading slower than the model
+    writes; past them the client has stopped reading and the stream is cut (``http/sse.py``).
+    ``stream_send_buffer_bytes``: the kernel send buffer of a stream's socket.
+    The deadlines (head, body, write, idle) are the listener's: ``app/http_site.py``.
     """
     if api_key is not None and not api_key:
         raise ValueError("api_key must not be empty; pass None to disable authentication")
@@ -77,7 +81,8 @@ def create_app(
         default_max_tokens=default_max_tokens,
         max_body_bytes=max_body_bytes,
         max_in_flight=max_in_flight,
-        body_timeout_s=body_timeout_s,
+        stream_buffer_events=stream_buffer_events,
+        stream_send_buffer_bytes=stream_send_buffer_bytes,
         metrics=metrics,
     )
     app = base_app(state, metrics_route=metrics_route)
@@ -115,8 +120,13 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
         raise invalid(str(exc), "tool_choice", "invalid_value") from None
     if plan.forced and parsed.grammar is not None:
         raise invalid("a forced tool call and a response_format cannot both hold", "tool_choice")
+    context = prompt_context(state)
     try:
-        prompt = await state.off_loop(lambda: chat_prompt(tokenizer, messages, plan))
+        prompt = await state.off_loop(
+            lambda: chat_prompt(tokenizer, messages, plan, context), size=body_bytes(request)
+        )
+    except ApiError:
+        raise  # too long for the context, found before tokenizing
     except Exception as exc:  # the template rejects the conversation (e.g. roles out of order)
         raise invalid(f"the chat template rejected the messages: {exc}", "messages") from None
     return await _generate(request, state, parsed, prompt, chat=True, tools=plan)
@@ -129,8 +139,10 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     tokenizer = state.loaded_tokenizer()
     text_or_ids = parsed.prompt
     if isinstance(text_or_ids, str):
-        text = text_or_ids
-        prompt = await state.off_loop(lambda: [int(t) for t in tokenizer.encode(text)])
+        text, context = text_or_ids, prompt_context(state)
+        prompt = await state.off_loop(
+            lambda: bounded_tokens(tokenizer, text, context, "prompt"), size=len(text)
+        )
     else:
         prompt = list(text_or_ids or [])
         vocab = len(tokenizer)
@@ -165,16 +177,13 @@ async def _generate(
         log_line.tokens = (len(prompt), completion)
 
 
-async def _pieces_of(index: int, gen: Generation, out: asyncio.Queue[_Fed]) -> None:
-    """Feed one choice's pieces into the stream's queue; None ends it, an error ends it too."""
+async def _nonempty(gen: Generation) -> AsyncIterator[Piece]:
+    """One choice's pieces that carry text or tokens (an empty one is no chunk)."""
     pieces = gen.pieces()
     try:
         async for piece in pieces:
             if piece.text or piece.tokens:
-                await out.put((index, piece))
-        await out.put((index, None))
-    except Exception as exc:
-        await out.put((index, exc))
+                yield piece
     finally:
         await pieces.aclose()
 
@@ -183,40 +192,29 @@ async def _stream(
     request: web.Request, gens: list[Generation], shape: Shape, include_usage: bool
 ) -> web.StreamResponse:
     sse = await SseWriter.open(request, {"X-Request-Id": request_log(request).request_id})
-    queue: asyncio.Queue[_Fed] = asyncio.Queue()
-    feeders = [asyncio.ensure_future(_pieces_of(i, gen, queue)) for i, gen in enumerate(gens)]
 
     async def send_error(error: ApiError) -> None:
         await sse.event(error.body())
         await sse.close()
 
-    try:
-        async with failures_end_stream(request, send_error):
-            await _send_choices(sse, queue, gens, shape, include_usage)
-    finally:
-        for feeder in feeders:
-            feeder.cancel()
-        await asyncio.gather(*feeders, return_exceptions=True)
+    async with failures_end_stream(request, send_error):
+        async with StreamFeed(request, [_nonempty(gen) for gen in gens]) as feed:
+            await _send_choices(sse, feed, gens, shape, include_usage)
     return sse.response
 
 
 async def _send_choices(
-    sse: SseWriter, queue: asyncio.Queue[_Fed], gens: list[Generation], shape: Shape,
+    sse: SseWriter, feed: StreamFeed[Piece], gens: list[Generation], shape: Shape,
     include_usage: bool,
 ) -> None:  # fmt: skip
-    """Every choice's chunks as its feeder hands them over, then the usage and [DONE]."""
+    """Every choice's chunks as the feed hands them over, then the usage and [DONE]."""
     # With tools, text that may begin a call is held back; the calls go out at the end.
     holds = [shape.tools.holdback() for _ in gens]
     for index in range(len(gens)):
         if chat_start := shape.role_chunk(include_usage, index):
             await sse.event(chat_start)
-    running = len(gens)
-    while running:
-        index, item = await queue.get()
-        if isinstance(item, BaseException):
-            raise item
+    async for index, item in feed:
         if item is None:
-            running -= 1
             reason = gens[index].finish_reason
             if holds[index] is not None:
                 calls, reason = shape.calls_chunk(gens[index], include_usage, index)

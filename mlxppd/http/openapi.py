@@ -64,9 +64,17 @@ _ERRORS: dict[int, str] = {
         "parameters a stage refused, or a header that is not UTF-8."
     ),
     401: "The API key is missing or wrong (only when the server has one).",
+    403: (
+        "Only without an API key: the Host header, or the Origin, names another server "
+        "(`host_not_allowed`, `origin_not_allowed`): a web page elsewhere or DNS rebinding."
+    ),
     404: "The model named in the request is not the one this server serves (`model_not_found`).",
     408: "The request body did not arrive within the server's body timeout.",
     413: "The request body is larger than the server accepts.",
+    415: (
+        "Only without an API key: the body is not sent as `application/json` "
+        "(`unsupported_media_type`)."
+    ),
     429: (
         "Rate limited. Not sent by this server today (it answers overload with 503); kept in "
         "the contract for a rate limit, with the same body and Retry-After when known."
@@ -215,7 +223,7 @@ def _keyed(operation: dict[str, Any], *statuses: int) -> dict[str, Any]:
     """An operation under the api key: bearer security and the errors every /v1 path can give
     (a bad header, a wrong key, the in-flight cap, a bug) plus ``statuses``."""
     responses = operation.setdefault("responses", {})
-    for status in sorted({400, 401, 500, 503, *statuses}):
+    for status in sorted({400, 401, 403, 500, 503, *statuses}):
         responses[str(status)] = _error(status)
     operation["security"] = [{BEARER: []}]
     return operation
@@ -243,6 +251,7 @@ def _completion_operation(
         404,
         408,
         413,
+        415,
         429,
     )
 
@@ -368,9 +377,11 @@ def _service_paths() -> dict[str, Any]:
 _ANTHROPIC_ERRORS: dict[int, str] = {
     400: _ERRORS[400],
     401: _ERRORS[401],
+    403: _ERRORS[403],
     404: _ERRORS[404],
     408: _ERRORS[408],
     413: _ERRORS[413],
+    415: _ERRORS[415],
     500: _ERRORS[500],
     claude.OVERLOADED_STATUS: (
         "Overloaded (Anthropic's status for what the OpenAI API answers with 503): too many "

@@ -1,23 +1,43 @@
 """Server-sent events the way OpenAI streams: ``data: {json}\\n\\n`` ... ``data: [DONE]\\n\\n``,
 with named events as Anthropic streams them; ``failures_end_stream`` around a stream turns a
-failure after its headers into its last event."""
+failure after its headers into its last event.
+
+A client that stops reading must not hold anything: ``StreamFeed`` pulls a stream's generations
+into a bounded buffer on tasks of their own, so they go at the model's pace (no micro-batch
+group waits on a slow reader), and a full buffer cuts the stream (counted in
+``mlxpp_http_connections_cut{reason="stream_stalled"}``); the caller then closes the
+generations, which frees their sequences. A stream's socket keeps a small kernel buffer, so a
+client that stops reading is noticed after kilobytes, not megabytes; a write the client never
+reads is cut by the listener's write deadline (``app/http_site.py``).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, Generic, TypeVar
 
 from aiohttp import web
 
-from mlxppd.http.base_app import request_log
+from mlxppd.http.api_state import DEFAULT_STREAM_SEND_BUFFER_BYTES, STATE
+from mlxppd.http.base_app import cut_counter, request_log
 from mlxppd.http.completion import ClientGone
 from mlxppd.http.errors import ApiError, from_backend_error
 from mlxppd.runtime.backends.contract import AdmissionRejected, BackendUnavailable
 
 log = logging.getLogger("mlxppd.http")
+
+Item = TypeVar("Item")
+
+_STALLED_NOTE = "stream cut: the client stopped reading"
+
+
+class StreamStalled(ClientGone):
+    """The client stopped reading: the stream's buffer filled and the stream was cut."""
 
 
 def _encode(payload: Any) -> bytes:
@@ -41,6 +61,11 @@ class SseWriter:
             },
         )
         await response.prepare(request)
+        state = request.app[STATE] if STATE in request.app else None
+        _cap_buffers(
+            request.transport,
+            state.stream_send_buffer_bytes if state else DEFAULT_STREAM_SEND_BUFFER_BYTES,
+        )
         return cls(response)
 
     async def _write(self, data: bytes) -> None:
@@ -82,7 +107,7 @@ async def failures_end_stream(
     try:
         yield
     except ClientGone:
-        info.note = "client closed the stream"
+        info.note = info.note or "client closed the stream"  # a cut stream says so already
     except Exception as exc:
         error = from_backend_error(exc)
         if error.status >= 500 and not isinstance(exc, AdmissionRejected | BackendUnavailable):
@@ -90,3 +115,89 @@ async def failures_end_stream(
         info.note = f"stream ended by error: {error.message}"
         with contextlib.suppress(ClientGone):
             await send_error(error)
+
+
+def _cap_buffers(transport: asyncio.BaseTransport | None, send_bytes: int) -> None:
+    """A small kernel send buffer and transport buffer for a stream's socket: what a client
+    that stops reading makes the server hold (the default kernel buffer grows to megabytes)."""
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError, AttributeError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_bytes)
+    with contextlib.suppress(AttributeError, NotImplementedError):
+        transport.set_write_buffer_limits(high=send_bytes)  # type: ignore[attr-defined]
+
+
+class StreamFeed(Generic[Item]):
+    """The sources of one stream (one per choice), each pulled by a task of its own into one
+    buffer of the app's ``stream_buffer_events``, so the backend's generators go at the model's
+    pace whatever the client reads. One item more than the buffer holds means the client has
+    stopped reading: the stream is cut (its connection aborted, counted, noted in the request's
+    log line) and iterating raises ``StreamStalled``. Iterating gives ``(index, item)`` and
+    ``(index, None)`` when source ``index`` ends, and raises what a source raised. The caller
+    closes what the sources come from once the ``async with`` has stopped the tasks."""
+
+    def __init__(self, request: web.Request, sources: Sequence[AsyncIterator[Item]]) -> None:
+        self._request = request
+        self._sources = sources
+        limit = request.app[STATE].stream_buffer_events
+        self._queue: asyncio.Queue[tuple[int, Item | BaseException | None]] = asyncio.Queue(limit)
+        self._tasks: list[asyncio.Task[None]] = []
+        self.stalled = False
+
+    async def __aenter__(self) -> StreamFeed[Item]:
+        self._tasks = [
+            asyncio.ensure_future(self._pull(i, source)) for i, source in enumerate(self._sources)
+        ]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, Item | None]]:
+        running = len(self._sources)
+        while running:
+            if self.stalled:
+                raise StreamStalled()
+            index, item = await self._queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item is None:
+                running -= 1
+            yield index, item
+
+    async def _pull(self, index: int, source: AsyncIterator[Item]) -> None:
+        try:
+            async for item in source:
+                if not self._offer(index, item):
+                    return
+            self._offer(index, None)
+        except Exception as exc:
+            self._offer(index, exc)
+        finally:
+            aclose = getattr(source, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    def _offer(self, index: int, item: Item | BaseException | None) -> bool:
+        if self.stalled:
+            return False
+        try:
+            self._queue.put_nowait((index, item))
+            return True
+        except asyncio.QueueFull:
+            self._cut()
+            return False
+
+    def _cut(self) -> None:
+        self.stalled = True
+        request_log(self._request).note = _STALLED_NOTE
+        if (count := cut_counter(self._request.app)) is not None:
+            count("stream_stalled")
+        transport = self._request.transport
+        if transport is not None:
+            transport.abort()  # wakes the writer waiting for the client to read

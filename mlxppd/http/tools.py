@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-import orjson
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from pydantic_core import PydanticCustomError
 
@@ -30,16 +29,32 @@ TOOL_CALL_END = "</tool_call>"
 MAX_TOOLS = 128
 
 
-def _bounded_schema(value: dict[str, Any]) -> dict[str, Any]:
-    if len(orjson.dumps(value)) > MAX_SCHEMA_BYTES:
-        raise PydanticCustomError(
-            "invalid_value", "a schema is at most {most} bytes", {"most": MAX_SCHEMA_BYTES}
+def schema_text(schema: dict[str, Any]) -> str:
+    """``schema`` as the text the last stage compiles: compact, ASCII JSON, which the stage
+    writes the same way again (``engine/grammar.py``), so the bound is measured on exactly
+    what is used. ValueError, naming the limit, past MAX_SCHEMA_BYTES or when it is not JSON."""
+    try:
+        text = json.dumps(schema, separators=(",", ":"), allow_nan=False)
+    except (ValueError, TypeError, RecursionError):
+        raise ValueError("a schema must be plain JSON nested at most a few hundred deep") from None
+    if len(text) > MAX_SCHEMA_BYTES:  # ASCII: its characters are its bytes
+        raise ValueError(
+            f"a schema is at most {MAX_SCHEMA_BYTES} bytes as compact JSON with non-ASCII "
+            f"characters escaped; this one is {len(text)}"
         )
+    return text
+
+
+def _bounded_schema(value: dict[str, Any]) -> dict[str, Any]:
+    try:
+        schema_text(value)
+    except ValueError as exc:
+        raise PydanticCustomError("invalid_value", "{why}", {"why": str(exc)}) from None
     return value
 
 
 #: a JSON schema a client sends (a tool's parameters, a response format): at most
-#: MAX_SCHEMA_BYTES of compact JSON, as the stage's grammar compiler takes it
+#: MAX_SCHEMA_BYTES as ``schema_text`` writes it, as the stage's grammar compiler takes it
 BoundedSchema = Annotated[dict[str, Any], AfterValidator(_bounded_schema)]
 
 FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]

@@ -8,7 +8,6 @@ generated before this passes.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -25,7 +24,7 @@ from mlxppd.http.requests import (
     CompletionRequest,
     ResponseFormat,
 )
-from mlxppd.http.tools import ToolChoice, ToolDef
+from mlxppd.http.tools import ToolChoice, ToolDef, schema_text
 
 #: OpenAI's documented default for the legacy completions endpoint
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -135,9 +134,9 @@ def _grammar(response_format: ResponseFormat | None) -> GrammarSpec | None:
     if response_format.type == "json_object" or response_format.json_schema is None:
         return GrammarSpec(kind="json_object")
     spec = response_format.json_schema
-    return GrammarSpec(
-        kind="json_schema", schema_text=json.dumps(spec.schema_), strict=spec.strict is not False
-    )
+    # The request model bounded exactly this text (tools.BoundedSchema), so it fits here.
+    text = schema_text(spec.schema_)
+    return GrammarSpec(kind="json_schema", schema_text=text, strict=spec.strict is not False)
 
 
 def _message(m: ChatMessage) -> dict[str, Any]:

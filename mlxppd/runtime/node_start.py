@@ -21,6 +21,7 @@ from mlxppd.core.cpu_weights import CpuWeights
 from mlxppd.core.layer_ranges import LayerRange
 from mlxppd.core.protocol.control import StageExtras
 from mlxppd.core.stages import StageSpec
+from mlxppd.engine.grammar_compiles import GrammarCompiles
 from mlxppd.engine.prepared_copy import ModelReceiver
 from mlxppd.engine.stage_runner import StageRunner
 from mlxppd.engine.tokenizer import load_tokenizer
@@ -122,7 +123,10 @@ async def start_stage_worker(
     worker = StageWorker(
         spec, runner, kv, transport, mlx, extras=extras, prepare_layers=prepare,
         receiver=setup.receiver, missing_model=setup.missing_model,
-        tokenizer=functools.partial(load_tokenizer, setup.model_dir),
+        grammars=GrammarCompiles(
+            functools.partial(load_tokenizer, setup.model_dir),
+            setup.cluster.cluster.grammar_compile_limit_s,
+        ),
     )  # fmt: skip
     if tensor is not None and setup.tensor is not None and links is not None:
         worker.slot_nodes = tuple(zip(setup.tensor.node_ids, tensor.slot_bytes, strict=True))

@@ -209,15 +209,9 @@ class AdminVerifier:
         """Accept the request (``host``: its Host header) or raise AdminAuthError with the
         reason. Whether ``host`` names this server is the caller's check
         (``host_names_this_server``); the MAC only proves the client signed that Host."""
-        if not header:
-            raise AdminAuthError("missing")
-        if len(header) > MAX_HEADER_CHARS:
-            raise AdminAuthError("malformed")
-        ts, nonce, mac = _parse(header)
+        ts, nonce, mac = self._fresh(header)
         now = self._clock()
         stamp = int(ts)
-        if abs(now - stamp) > self._window_s:
-            raise AdminAuthError("stale")
         request = canonical_request(
             method, path, ts, nonce, body, cluster=self.cluster_name, host=host
         )
@@ -237,6 +231,21 @@ class AdminVerifier:
             old_ts, old_nonce = heapq.heappop(self._expiry)
             self._seen.discard(old_nonce)
             self._forgotten_up_to = max(self._forgotten_up_to, old_ts)
+
+    def check_header(self, header: str | None) -> None:
+        """What the header alone shows, before the body is read (AdminAuthError otherwise):
+        present, well formed, its timestamp within the window. ``verify`` still checks all."""
+        self._fresh(header)
+
+    def _fresh(self, header: str | None) -> tuple[str, str, str]:
+        if not header:
+            raise AdminAuthError("missing")
+        if len(header) > MAX_HEADER_CHARS:
+            raise AdminAuthError("malformed")
+        ts, nonce, mac = _parse(header)
+        if abs(self._clock() - int(ts)) > self._window_s:
+            raise AdminAuthError("stale")
+        return ts, nonce, mac
 
     def _expire(self, now: float) -> None:
         # A nonce with timestamp ts can only come back while ts is within the window.

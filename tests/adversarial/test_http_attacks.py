@@ -3,7 +3,9 @@
 Every attack is answered with a 4xx or shrugged off, and afterwards the same benign request
 returns the same greedy text and /health is 200: no attack closes a stage link or stalls the
 coordinator. How long the event loop stalls under each attack is measured by
-``bench/attacks.py`` (timing goals live in bench/, not in tests).
+``bench/attacks.py`` (timing goals live in bench/, not in tests). The attacks only a server
+without an api key is open to (a web page's cross-origin request, DNS rebinding) go to one
+served in-process without a key, and are followed by a local client's request there.
 """
 
 from __future__ import annotations
@@ -285,3 +287,172 @@ def test_a_forged_newline_in_a_handshakes_cluster_name_is_logged_escaped(
     log = cluster.log()
     assert "evil\\nFORGED-HELLO-LINE" in log
     assert not any(line.startswith("FORGED-HELLO-LINE") for line in log.splitlines())
+
+
+# -- holding connections and streams, costing the tokenizer, breaking the schema bound ---------
+
+
+def _metric(client: httpx.Client, name: str) -> float:
+    """The sum of a counter's or gauge's series in the coordinator's /metrics."""
+    text = client.get("/metrics").text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name) and not line.startswith("#")
+    )
+
+
+def _answer_or_close(sock: socket.socket) -> bytes:
+    """What the server sends before it closes the connection (a reset counts as closed)."""
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    return data
+
+
+def test_slow_admin_bodies_do_not_fill_the_connection_cap(cluster: RunningCluster) -> None:
+    """1,100 unsigned admin requests, each announcing a 60 KB body and sending one byte of it:
+    they held every one of the listener's 1,024 connections (so /health answered 503) for as
+    long as they stayed, and their release logged 1,024 tracebacks. Now each is refused on its
+    header, before its body, and closed; none is left holding a connection."""
+    host, port = cluster.url.removeprefix("http://").rsplit(":", 1)
+    head = (
+        f"POST /admin/v1/drain HTTP/1.1\r\nHost: {host}:{port}\r\n"
+        "Content-Type: application/json\r\nContent-Length: 60000\r\n\r\n{"
+    ).encode()
+    slow = []
+    try:
+        for _ in range(1100):
+            sock = socket.create_connection((host, int(port)), timeout=60)
+            sock.sendall(head)
+            slow.append(sock)
+        answers = [_answer_or_close(sock) for sock in slow]
+    finally:
+        for sock in slow:
+            sock.close()
+    statuses = {a.split(b" ", 2)[1] for a in answers}
+    assert statuses <= {b"401", b"503"}, statuses
+    assert sum(a.startswith(b"HTTP/1.1 401") for a in answers) >= 1024
+    assert all(b'"missing"' in a for a in answers if a.startswith(b"HTTP/1.1 401"))
+
+
+def test_a_stream_whose_reader_stops_is_cut_and_the_others_are_served(
+    cluster: RunningCluster, client: httpx.Client
+) -> None:
+    """A client that asks for a stream and never reads it: the coordinator's generation does
+    not wait on it (no micro-batch group does), is cut once its small buffer fills, and frees
+    its sequence; streams started meanwhile get every token."""
+    host, port = cluster.url.removeprefix("http://").rsplit(":", 1)
+    cut_before = _metric(client, 'mlxpp_http_connections_cut_total{reason="stream_stalled"}')
+    # top_logprobs makes each chunk about 2 KB: the socket's buffers fill within tens of tokens.
+    body = json.dumps({
+        "messages": [{"role": "user", "content": "Count from 1 to 1000."}], "stream": True,
+        "max_tokens": 4000, "temperature": 0, "logprobs": True, "top_logprobs": 20,
+    }).encode()  # fmt: skip
+    stuck = socket.socket()
+    stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    stuck.connect((host, int(port)))
+    try:
+        stuck.sendall(
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+            f"Authorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        others: list[int] = []
+
+        def other() -> None:
+            streamed = {
+                **BENIGN,
+                "max_tokens": 24,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            with client.stream("POST", "/v1/completions", json=streamed) as response:
+                lines = [line for line in response.iter_lines() if line.startswith("data: {")]
+            others.append(json.loads(lines[-1][6:])["usage"]["completion_tokens"])
+
+        threads = [threading.Thread(target=other) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(300)
+        assert others == [24, 24, 24], "a stream started beside the stuck one was starved"
+        deadline = time.monotonic() + 300
+        while (
+            _metric(client, 'mlxpp_http_connections_cut_total{reason="stream_stalled"}')
+            <= cut_before
+        ):
+            assert time.monotonic() < deadline, "the stuck stream was never cut"
+            time.sleep(0.5)
+        while _metric(client, "mlxpp_active_sequences") > 0:
+            assert time.monotonic() < deadline, "the cut stream's sequence was never freed"
+            time.sleep(0.5)
+    finally:
+        stuck.close()
+    assert "stream cut: the client stopped reading" in cluster.log()
+
+
+def test_a_huge_tool_list_is_refused_before_it_is_tokenized(
+    client: httpx.Client, cluster: RunningCluster
+) -> None:
+    """3.7 MiB of tool definitions: tokenized in full (1.4 M tokens, 12 s of the one tokenizer
+    thread every request shares) before the context check; now refused by their length."""
+    schema = {
+        "type": "object",
+        "properties": {"p": {"type": "string", "description": "w" * 29_000}},
+    }
+    tools = [
+        {"type": "function", "function": {"name": f"f{i}", "parameters": schema}}
+        for i in range(128)
+    ]
+    body = {"messages": [MESSAGE], "tools": tools, "max_tokens": 4}
+    with Probe(cluster.url):
+        error = refused(client.post("/v1/chat/completions", json=body))
+    assert error["code"] == "context_length_exceeded" and "characters" in error["message"]
+
+
+def test_a_schema_past_the_bound_as_the_stage_takes_it_is_a_400_not_a_500(
+    client: httpx.Client,
+) -> None:
+    """Under 64 KiB as compact UTF-8, three times that as the escaped JSON the stage compiles."""
+    schema = {"type": "object", "description": "é" * 25_000}
+    body = {
+        "messages": [MESSAGE], "max_tokens": 4,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+    }  # fmt: skip
+    error = refused(client.post("/v1/chat/completions", json=body))
+    assert "65536" in error["message"] and error["param"].startswith("response_format")
+
+
+@pytest.fixture(scope="module")
+def keyless(
+    tmp_path_factory: pytest.TempPathFactory, embedded_model_dir: Path, model_cache: Path
+) -> Iterator[RunningCluster]:
+    """The same model served in one process, without an api key."""
+    env = {**os.environ, "MLXPP_MODEL_CACHE": str(model_cache), "HF_HUB_OFFLINE": "1"}
+    running = start_cluster(tmp_path_factory.mktemp("keyless"), env)
+    yield running
+    assert running.stop() == 0, running.log()
+
+
+def test_without_a_key_a_web_page_elsewhere_cannot_drive_the_api(keyless: RunningCluster) -> None:
+    """A page the operator visits may POST text/plain to any origin without a preflight, and a
+    DNS-rebinding page reaches loopback under its own name: both are refused; the operator's
+    own client is served."""
+    url, host = keyless.url, keyless.url.removeprefix("http://")
+    page = {"Content-Type": "text/plain", "Origin": "http://evil.example"}
+    answer = httpx.post(f"{url}/v1/completions", content=json.dumps(BENIGN), headers=page)
+    assert answer.status_code == 403 and answer.json()["error"]["code"] == "origin_not_allowed"
+    plain = httpx.post(f"{url}/v1/completions", content=json.dumps(BENIGN),
+                       headers={"Content-Type": "text/plain"})  # fmt: skip
+    assert plain.status_code == 415
+    rebound = httpx.get(f"{url}/v1/models", headers={"Host": "rebound.example:80"})
+    assert rebound.status_code == 403 and rebound.json()["error"]["code"] == "host_not_allowed"
+    served = httpx.post(f"{url}/v1/completions", json=BENIGN, headers={"Origin": url}, timeout=120)
+    assert served.status_code == 200, served.text
+    assert httpx.get(f"http://{host}/health").status_code == 200
+    assert "Traceback" not in keyless.log()

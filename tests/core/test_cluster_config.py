@@ -329,6 +329,9 @@ def test_failover_table_is_read() -> None:
         "heartbeat_timeout_s": 2,
         "reconnect_grace_s": 3,
         "recovery_timeout_s": 3600,
+        "restore_layout": False,
+        "restore_after_s": 5,
+        "restore_drain_s": 1.5,
     }
     cfg = parse_cluster_config(cluster_toml({"failover": failover}), "t.toml")
     assert cfg.cluster.failover == FailoverPolicy(
@@ -337,6 +340,9 @@ def test_failover_table_is_read() -> None:
         heartbeat_timeout_s=2.0,
         reconnect_grace_s=3.0,
         recovery_timeout_s=3600.0,
+        restore_layout=False,
+        restore_after_s=5.0,
+        restore_drain_s=1.5,
     )
 
 
@@ -351,6 +357,9 @@ def test_failover_table_is_read() -> None:
         ("reconnect_grace_s", "10", "expected a number"),
         ("recovery_timeout_s", 0, "use a value above 0"),
         ("recovery_timeout_s", 86400, "use a value at most 3600"),
+        ("restore_layout", 1, "expected a boolean (true or false)"),
+        ("restore_after_s", 0, "use a value above 0"),
+        ("restore_drain_s", 3601, "use a value at most 3600"),
     ],
 )
 def test_failover_values(tmp_path: Path, key: str, value: Any, fix: str) -> None:
@@ -956,6 +965,9 @@ def test_render_layout() -> None:
         "heartbeat_timeout_s = 5.0\n"
         "reconnect_grace_s = 10.0\n"
         "recovery_timeout_s = 600.0\n"
+        "restore_layout = true\n"
+        "restore_after_s = 30.0\n"
+        "restore_drain_s = 30.0\n"
         "\n"
         "[[nodes]]\n"
         'id = "coord"\n'

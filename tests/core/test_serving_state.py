@@ -76,6 +76,32 @@ def test_every_other_pair_is_refused(state: ServingState, event: ServingEvent) -
         Serving(state=state).on(event, "", 0.0)
 
 
-def test_a_recovery_is_only_entered_from_serving() -> None:
+def test_a_recovery_is_only_entered_from_serving_or_a_restore() -> None:
     entering = {s for (s, e), t in TRANSITIONS.items() if t is S.RECOVERING}
+    assert entering == {S.SERVING, S.RESTORING}
+
+
+def test_a_restore_holds_new_requests_then_serves_the_files_layout() -> None:
+    *_, restoring, back = walk(
+        (E.START, ""), (E.RESTORE, "putting the cluster file's layout back"),
+        (E.RECOVER, "all stages connected"),
+    )  # fmt: skip
+    assert (restoring.state, restoring.since, restoring.waits, restoring.refuses) == (
+        S.RESTORING, 20.0, True, False,
+    )  # fmt: skip
+    assert restoring.health_detail() == "restoring: putting the cluster file's layout back"
+    assert (back.state, back.waits) == (S.SERVING, False)
+
+
+def test_a_stage_lost_during_a_restore_is_a_failover_and_a_failed_restore_is_down() -> None:
+    *_, lost = walk((E.START, ""), (E.RESTORE, ""), (E.LOSE_RECOVERABLE, "lost stage 0"))
+    assert (lost.state, lost.detail) == (S.RECOVERING, "lost stage 0")
+    *_, down = walk((E.START, ""), (E.RESTORE, ""), (E.GIVE_UP, "no layout"))
+    assert (down.state, down.refuses) == (S.DOWN, True)
+    *_, stopped = walk((E.START, ""), (E.RESTORE, ""), (E.STOP, ""))
+    assert stopped.detail == "the coordinator stopped while restoring the cluster file's layout"
+
+
+def test_a_restore_starts_only_from_serving() -> None:
+    entering = {s for (s, e), t in TRANSITIONS.items() if t is S.RESTORING}
     assert entering == {S.SERVING}

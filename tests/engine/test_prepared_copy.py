@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +30,7 @@ from mlxppd.runtime.stage.worker import StageWorker
 from mlxppd.runtime.system.mlx_thread import MlxThread
 from mlxppd.wire.backends import create_transport
 from tests.conftest import TINY_LLAMA
+from tests.support.prepared_copies import crafted, renamed
 from tests.support.wire import config, run
 
 SPLIT = (StageSpec(0, 2, 0, 3), StageSpec(1, 2, 3, 6))
@@ -199,3 +201,98 @@ def test_a_node_with_one_wrong_tensor_receives_only_that_tensor(
     copy = stage_model_dir(wrong, receiver.root, spec, config_)
     assert copy == receiver.root / "current"
     assert stage_identity(copy, spec, config_) == stage_identity(source, spec, config_)
+
+
+# -- a manifest that must not replace the installed copy --------------------------------------
+
+
+def assert_serves_the_clusters_copy(root: Path, source: Path, spec: StageSpec) -> None:
+    """The installed copy is the one verified before, and a stage loads and computes from it."""
+    config_ = model_config(source)
+    copy = stage_model_dir(None, root, spec, config_)
+    assert copy == root / "current"
+    assert stage_identity(copy, spec, config_) == stage_identity(source, spec, config_)
+    assert not [p.name for p in root.iterdir() if p.name.startswith((".install-", ".old-"))]
+    x = mx.random.normal((1, 4, 64))
+    want, got = load_stage(source, spec, config_), load_stage(copy, spec, config_)
+    assert mx.allclose(want.net(x, want.net.make_cache()), got.net(x, got.net.make_cache()))
+
+
+Q_PROJ, O_PROJ = "model.layers.3.self_attn.q_proj.weight", "model.layers.3.self_attn.o_proj.weight"
+
+
+def test_a_copy_that_does_not_read_back_as_its_manifest_leaves_the_installed_copy_as_it_was(
+    tiny_model: Callable[..., Path], tmp_path: Path
+) -> None:
+    """Past the edge's checks (a manifest built without them), the receiver still installs
+    nothing it has not read back from disk: a tensor listed twice builds a file holding one
+    fewer, which is refused before the swap, and the copy verified earlier stays in place."""
+    source = tiny_model("prepare-llama", TINY_LLAMA)
+    spec = SPLIT[1]
+    manifest, tensors = manifest_for(source, spec, model_config(source), "tiny")
+    receiver = ModelReceiver(prepared_root(tmp_path, "tiny"), None, tmp_path)
+    _, names = receiver.check(manifest)
+    receiver.write(0, b"".join(b"".join(iter_chunks(tensors[n])) for n in names))
+    assert receiver.commit().ok
+    # q_proj again, with o_proj's digest and bytes: the received bytes verify, the copy cannot.
+    bad, bad_tensors = crafted(manifest, tensors, renamed(tensors, O_PROJ, Q_PROJ), O_PROJ)
+    _, names = receiver.check(bad)
+    assert names == [Q_PROJ]
+    receiver.write(0, b"".join(iter_chunks(bad_tensors[Q_PROJ])))
+    result = receiver.commit()
+    assert not result.ok
+    assert_serves_the_clusters_copy(receiver.root, source, spec)
+    assert "nothing was installed and the copy already here is unchanged" in (result.error or "")
+
+
+def test_a_manifest_naming_a_tensor_twice_or_metadata_is_refused_and_the_node_keeps_its_copy(
+    tiny_model: Callable[..., Path], tmp_path: Path
+) -> None:
+    """Over the wire to a real stage worker: each bad manifest fails its prepare alone, with a
+    sentence naming the field (no traceback, the channel answers); the copy verified before
+    stays loadable, and a normal prepare afterwards finds it complete."""
+    source = tiny_model("prepare-llama", TINY_LLAMA)
+    spec = SPLIT[1]
+    manifest, tensors = manifest_for(source, spec, model_config(source), "tiny")
+    attacks = {
+        "is listed twice": crafted(manifest, tensors, renamed(tensors, O_PROJ, Q_PROJ), O_PROJ),
+        "is the key safetensors reserves": crafted(
+            manifest, tensors, renamed(tensors, O_PROJ, "__metadata__"), O_PROJ
+        ),
+    }
+    refusals: dict[str, str] = {}
+
+    async def scenario() -> None:
+        async with EmptyNode(tmp_path / "cache") as node:
+            assert await ship(node, source, spec, ShipProgress("stage-1", 1, (3, 6))) is not None
+            for says, (bad, bad_tensors) in attacks.items():
+                sender = create_transport("tcp", config("coordinator"))
+                progress = ShipProgress("stage-1", 1, (3, 6))
+                with pytest.raises(RuntimeError, match="refused the prepare") as refused:
+                    await ship_stage(sender, node, bad, bad_tensors, progress)
+                refusals[says] = str(refused.value)
+                again = ShipProgress("stage-1", 1, (3, 6))
+                assert await ship(node, source, spec, again) is None  # a normal prepare
+                assert again.found == "present" and again.bytes_sent == 0
+
+    run(scenario)
+    for says, message in refusals.items():
+        assert re.search(r"records\[\d+\]\.name: '[^']+' " + says, message), message
+    assert_serves_the_clusters_copy(prepared_root(tmp_path / "cache", "tiny"), source, spec)
+
+
+def test_an_install_cut_off_between_its_two_renames_gets_the_installed_copy_back(
+    tiny_model: Callable[..., Path], tmp_path: Path
+) -> None:
+    """Killed after ``current/`` was moved aside and before the new copy took its place: the
+    next receiver (the agent's restart) puts the old copy back rather than serving none."""
+    source = tiny_model("prepare-llama", TINY_LLAMA)
+    spec = SPLIT[1]
+    manifest, tensors = manifest_for(source, spec, model_config(source), "tiny")
+    receiver = ModelReceiver(prepared_root(tmp_path, "tiny"), None, tmp_path)
+    _, names = receiver.check(manifest)
+    receiver.write(0, b"".join(b"".join(iter_chunks(tensors[n])) for n in names))
+    assert receiver.commit().ok
+    (receiver.root / "current").rename(receiver.root / ".old-4242")
+    ModelReceiver(receiver.root, None, tmp_path)
+    assert_serves_the_clusters_copy(receiver.root, source, spec)

@@ -1,6 +1,7 @@
 """A listener bounds what clients may hold: connections over the cap get a 503, a request head
-that dawdles (slowloris) or an idle keep-alive connection is closed, a request being handled is
-never cut. Real sockets against ``start_site``; deadlines are injected, conditions polled."""
+or body that dawdles (slowloris) or an idle keep-alive connection is closed, a response its
+client stops reading is cut, a request being handled is never cut for taking its time. Real
+sockets against ``start_site``; deadlines are injected, conditions polled."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 import uvloop
 from aiohttp import web
 
-from mlxppd.app.http_site import HttpGuardStats, HttpLimits, start_site
+from mlxppd.app.http_site import BodyDeadline, HttpGuardStats, HttpLimits, start_site
 from tests.support.http import LoopThread
 
 GET = b"GET /hello HTTP/1.1\r\nHost: test\r\n\r\n"
@@ -27,6 +28,8 @@ class Server:
         self.loop = LoopThread("http-limits", LOOPS[loop])
         self.stats = HttpGuardStats()
         self.release = asyncio.Event()
+        #: what the handlers saw end their request (a deadline, a cut connection)
+        self.seen: list[BaseException] = []
 
         async def hello(request: web.Request) -> web.Response:
             return web.Response(text="hello")
@@ -35,10 +38,29 @@ class Server:
             await self.release.wait()
             return web.Response(text="done")
 
+        async def echo(request: web.Request) -> web.Response:
+            try:
+                return web.Response(body=await request.read())
+            except TimeoutError as exc:
+                self.seen.append(exc)
+                return web.Response(status=408, text=str(exc))
+
+        async def flood(request: web.Request) -> web.StreamResponse:
+            response = web.StreamResponse()
+            await response.prepare(request)
+            try:
+                while True:
+                    await response.write(b"x" * 65536)
+            except ConnectionError as exc:
+                self.seen.append(exc)
+            return response
+
         async def start() -> int:
             app = web.Application()
             app.router.add_get("/hello", hello)
             app.router.add_get("/slow", slow)
+            app.router.add_post("/echo", echo)
+            app.router.add_get("/flood", flood)
             runner, port = await start_site(app, "127.0.0.1", 0, limits, self.stats)
             self.loop._runners.append(runner)
             return port
@@ -162,3 +184,49 @@ def test_a_request_being_handled_is_never_cut_and_an_idle_connection_is_closed(
 
 async def _set(event: asyncio.Event) -> None:
     event.set()
+
+
+@pytest.mark.parametrize("server", [HttpLimits(body_timeout_s=0.3)], indirect=True)
+def test_a_body_that_stops_arriving_ends_its_read_and_the_connection_closes_after_the_answer(
+    server: Server,
+) -> None:
+    with server.connect() as sock:
+        sock.sendall(b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 100\r\n\r\n" + b"x" * 10)
+        answer = read_all(sock)  # the answer, then the server closes: no further request
+    assert answer.startswith(b"HTTP/1.1 408")
+    assert b"did not arrive within 0.3 s" in answer
+    assert [type(e) for e in server.seen] == [BodyDeadline]
+    assert server.stats.closed_body_timeout == 1
+    assert server.get().endswith(b"hello")
+
+
+@pytest.mark.parametrize("server", [HttpLimits(body_timeout_s=0.3)], indirect=True)
+def test_a_body_that_arrives_in_time_is_read_whole(server: Server) -> None:
+    with server.connect() as sock:
+        sock.sendall(b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 5\r\n\r\nhe")
+        time.sleep(0.05)
+        sock.sendall(b"llo")
+        answer = b""
+        while not answer.endswith(b"hello"):
+            answer += sock.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 200")
+    assert server.stats.closed_body_timeout == 0
+
+
+@pytest.mark.parametrize(
+    "server", [HttpLimits(write_timeout_s=0.3, keepalive_timeout_s=60)], indirect=True
+)
+def test_a_response_its_client_stops_reading_is_cut(server: Server) -> None:
+    with server.connect() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.sendall(b"GET /flood HTTP/1.1\r\nHost: t\r\n\r\n")  # and never read
+        wait_for(lambda: server.stats.closed_write_timeout == 1)
+        wait_for(lambda: len(server.seen) == 1)
+    assert isinstance(server.seen[0], ConnectionError)
+    assert server.get().endswith(b"hello")
+
+
+@pytest.mark.parametrize("field", ["header_timeout_s", "body_timeout_s", "write_timeout_s"])
+def test_a_limit_that_is_not_positive_is_refused(field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        HttpLimits(**{field: 0})

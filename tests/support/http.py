@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from mlxppd.app.http_site import start_site
+from mlxppd.app.http_site import HttpGuardStats, HttpLimits, start_site
 from mlxppd.core.layer_ranges import even_split
 from mlxppd.http.openai_api import create_app
 from mlxppd.runtime.backends.inprocess import InProcessBackend
@@ -45,11 +45,18 @@ class LoopThread:
         """Run a coroutine on the loop and wait for its result."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
-    def serve(self, app: web.Application) -> str:
-        """Serve ``app`` on a free port; its base URL."""
+    def serve(
+        self,
+        app: web.Application,
+        limits: HttpLimits | None = None,
+        stats: HttpGuardStats | None = None,
+    ) -> str:
+        """Serve ``app`` on a free port (within ``limits``, counting into ``stats``); its base
+        URL."""
 
         async def start() -> str:
-            runner, port = await start_site(app, "127.0.0.1", 0)  # the nodes' own listener
+            # The nodes' own listener.
+            runner, port = await start_site(app, "127.0.0.1", 0, limits, stats)
             self._runners.append(runner)
             return f"http://127.0.0.1:{port}"
 
@@ -102,8 +109,8 @@ class LiveServer(LoopThread):
         """Run ``fn`` on the server's one mlx thread (reference computations)."""
         return self.call(self.mlx.run(fn), timeout)
 
-    def start_app(self, **options: Any) -> str:
-        return self.serve(create_app(self.backend, **options))
+    def start_app(self, limits: HttpLimits | None = None, **options: Any) -> str:
+        return self.serve(create_app(self.backend, **options), limits)
 
     def stop(self) -> None:
         try:

@@ -17,7 +17,7 @@ from mlxppd.core.profile.model import read_model_config
 from mlxppd.core.stages import StageSpec
 from mlxppd.runtime.coordinator.coordinator import Coordinator
 from mlxppd.runtime.node_start import CoordinatorSetup, start_pipeline_coordinator
-from mlxppd.runtime.stage.loader import load_stage_runner, stage_kv_manager
+from mlxppd.runtime.stage.loader import layer_preparer, load_stage_runner, stage_kv_manager
 from mlxppd.runtime.stage.worker import StageWorker
 from mlxppd.runtime.system.mlx_thread import MlxThread
 from mlxppd.wire.backends import create_transport
@@ -50,13 +50,17 @@ stage = 1
 """
 
 
-async def stage_worker(model_dir: Path, mlx: MlxThread, spec: StageSpec) -> StageWorker:
+async def stage_worker(
+    model_dir: Path, mlx: MlxThread, spec: StageSpec, *, movable: bool = False
+) -> StageWorker:
     """A real stage worker for ``spec`` of the checkpoint in ``model_dir``, node id
-    ``stage-<index>``, not started yet."""
-    runner, per_token = await load_stage_runner(mlx, model_dir, spec, read_model_config(model_dir))
+    ``stage-<index>``, not started yet; ``movable``: it can take new layers (a repartition)."""
+    model_config = read_model_config(model_dir)
+    runner, per_token = await load_stage_runner(mlx, model_dir, spec, model_config)
     kv = stage_kv_manager(spec, per_token, None, 8)
     transport = create_transport("tcp", config(f"stage-{spec.index}"))
-    return StageWorker(spec, runner, kv, transport, mlx)
+    prepare = layer_preparer(mlx, model_dir, model_config, None, 8) if movable else None
+    return StageWorker(spec, runner, kv, transport, mlx, prepare_layers=prepare)
 
 
 @asynccontextmanager

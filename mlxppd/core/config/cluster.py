@@ -72,6 +72,11 @@ class NodeRole(enum.StrEnum):
     STANDBY = "standby"
 
 
+#: ``grammar_compile_limit_s``: its default, and its ceiling (seconds), which keeps a refused
+#: compile's reply well inside the coordinator's 30 s wait for an admission
+DEFAULT_GRAMMAR_COMPILE_LIMIT_S = 5.0
+MAX_GRAMMAR_COMPILE_LIMIT_S = 20.0
+
 # Spellings accepted on input (aliases); output always uses the canonical value.
 _ROLE_ALIASES = {
     "coordinator": NodeRole.COORDINATOR,
@@ -191,6 +196,15 @@ class ClusterSection(_Strict):
         min_length=1,
         description="A LoRA adapter directory fused into every stage's weights (each stage "
         "reads its own layers' tensors); the same path on every stage host.",
+    )
+    grammar_compile_limit_s: float = Field(
+        DEFAULT_GRAMMAR_COMPILE_LIMIT_S,
+        gt=0,
+        le=MAX_GRAMMAR_COMPILE_LIMIT_S,
+        allow_inf_nan=False,
+        description="Seconds the last stage may take to compile one request's output schema "
+        "(response_format, a forced tool call; 0 < x <= 20, under the coordinator's 30 s "
+        "reply wait); a schema that takes longer is refused with a 400 naming this key.",
     )
     cpu_weights: CpuWeightsField = Field(
         CpuWeights.AUTO,

@@ -61,6 +61,32 @@ class FailoverPolicy(StrictModel):
         description="Seconds the whole recovery may take, loading layers included "
         "(0 < x <= 3600); after it the lost stage's requests fail.",
     )
+    restore_layout: bool = Field(
+        True,
+        strict=True,
+        description="Once the nodes a standby or the survivors stood in for serve again, put "
+        "the cluster file's nodes and layers back by itself (new requests wait meanwhile); "
+        "false keeps the failover's layout until a repartition or a restart.",
+    )
+    restore_after_s: float = Field(
+        30.0,
+        gt=0,
+        le=MAX_FAILOVER_SECONDS,
+        allow_inf_nan=False,
+        strict=True,
+        description="Seconds every returned node must keep answering, with no admissions held "
+        "(drain, repartition, reload), before the file's layout is restored; a restore that did "
+        "not bring it back doubles the next wait (0 < x <= 3600).",
+    )
+    restore_drain_s: float = Field(
+        30.0,
+        gt=0,
+        le=MAX_FAILOVER_SECONDS,
+        allow_inf_nan=False,
+        strict=True,
+        description="Seconds running requests may take to finish when the file's layout is "
+        "restored; those still running are replayed on the restored pipeline (0 < x <= 3600).",
+    )
 
     @model_validator(mode="after")
     def _timeout_outlasts_two_heartbeats(self) -> FailoverPolicy:

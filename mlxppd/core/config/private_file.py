@@ -8,7 +8,9 @@ any owner (``sudo mlxppctl`` reads the service account's file). ``--allow-loose-
 or ``MLXPP_ALLOW_LOOSE_SECRET_FILE=1``, turns each of these refusals into a warning (and follows
 a link), for setups such as mounted volumes that cannot meet it.
 
-The content never appears in an error or a log line.
+The content never appears in an error or a log line. The opening half of the rule (no link,
+a regular file, checked on the descriptor) is :func:`open_regular_file`, which adapter files
+share (``engine/adapters/reader.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import shlex
 import stat
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Literal
 
 from mlxppd.core.errors import ConfigurationError
 
@@ -27,7 +30,9 @@ __all__ = [
     "ALLOW_LOOSE_FLAG",
     "ENV_ALLOW_LOOSE",
     "MAX_PRIVATE_FILE_BYTES",
+    "FileRefused",
     "allow_loose_from",
+    "open_regular_file",
     "read_private_file",
 ]
 
@@ -71,6 +76,45 @@ def _looseness(st: os.stat_result, path: Path) -> str | None:
     return None
 
 
+class FileRefused(Exception):
+    """The path is not a plain file to read: ``kind`` says why (the caller words the error)."""
+
+    def __init__(self, kind: Literal["symlink", "not_regular", "too_large"]) -> None:
+        super().__init__(kind)
+        self.kind = kind
+
+
+def open_regular_file(
+    path: Path, *, follow_links: bool = False, max_bytes: int | None = None
+) -> tuple[int, os.stat_result]:
+    """A read-only descriptor of ``path`` and its ``fstat``, the last component opened without
+    following a symbolic link (unless ``follow_links``), so what is checked is what is read.
+
+    Raises :class:`FileRefused` for a link, anything but a regular file, or one larger than
+    ``max_bytes``; ``OSError`` when it cannot be opened. The caller closes the descriptor.
+    """
+    # O_NONBLOCK: a FIFO put in the file's place must not hang the open.
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    if not follow_links:
+        flags |= getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EMLINK) and path.is_symlink():
+            raise FileRefused("symlink") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise FileRefused("not_regular")
+        if max_bytes is not None and st.st_size > max_bytes:
+            raise FileRefused("too_large")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
 def read_private_file(
     path: Path, *, what: str, named_by: str, allow_loose: bool, hint: str = ""
 ) -> bytes:
@@ -81,25 +125,21 @@ def read_private_file(
     """
     where = f"{what} {path} named by {named_by}"
     tail = f"; {hint}" if hint else ""
-    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
-    if not allow_loose:
-        flags |= getattr(os, "O_NOFOLLOW", 0)
     try:
-        fd = os.open(path, flags)
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.EMLINK) and path.is_symlink():
+        fd, st = open_regular_file(path, follow_links=allow_loose)
+    except FileRefused as exc:
+        if exc.kind == "symlink":
             raise ConfigurationError(
                 f"{where} is a symbolic link, and credential files are opened without following "
                 f"links; point {named_by} at the file itself (`readlink -f "
                 f"{shlex.quote(str(path))}`), {_OVERRIDE}"
             ) from None
+        raise ConfigurationError(
+            f"{where} is not a regular file; point {named_by} at the file itself"
+        ) from None
+    except OSError as exc:
         raise ConfigurationError(f"cannot read {where}: {exc.strerror or exc}{tail}") from None
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ConfigurationError(
-                f"{where} is not a regular file; point {named_by} at the file itself"
-            )
         loose = _looseness(st, path)
         if loose is not None and not allow_loose:
             raise ConfigurationError(f"{where} {loose}, {_OVERRIDE}")

@@ -20,6 +20,9 @@ _FAILOVER_KEYS = (
     "heartbeat_timeout_s",
     "reconnect_grace_s",
     "recovery_timeout_s",
+    "restore_layout",
+    "restore_after_s",
+    "restore_drain_s",
 )
 
 # -- rendering -------------------------------------------------------------------------------

@@ -293,9 +293,11 @@ class AdmitRefusal(StrictModel):
     active_sequences: Count
     rank: int | None = Field(None, ge=0, le=4096)
     """the refusing tensor-parallel rank (None: a stage of one rank)"""
+    detail: Text | None = None
+    """invalid_request: what the stage cannot serve and what to change, one sentence"""
 
     @classmethod
-    def of(cls, d: AdmissionDiagnostic) -> AdmitRefusal:
+    def of(cls, d: AdmissionDiagnostic, detail: str | None = None) -> AdmitRefusal:
         return cls(
             stage_index=d.stage_index,
             reason=d.reason,
@@ -304,6 +306,7 @@ class AdmitRefusal(StrictModel):
             budget_bytes=d.budget_bytes,
             active_sequences=d.active_sequences,
             rank=d.rank,
+            detail=clip(detail),
         )
 
     def diagnostic(self) -> AdmissionDiagnostic:

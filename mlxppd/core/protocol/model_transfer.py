@@ -6,14 +6,21 @@ layer move; ``--dry-run``'s version check). ``PrepareCheck`` / ``PrepareData`` /
 the stage's layers need (a JSON payload, bounded), the stage answers which it lacks and how many
 bytes of an interrupted transfer it already holds, the sender streams the rest, and the stage
 verifies every tensor's SHA-256 before it installs the copy.
+
+A manifest is checked whole at the edge (``parse_manifest``): each tensor named once, by a
+name a safetensors file can hold as a tensor, with a byte count its dtype and shape agree
+with; a node never builds a copy from one that is not.
 """
 
 from __future__ import annotations
 
+import math
+import unicodedata
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, TypeAdapter
+from pydantic import Field, TypeAdapter, ValidationError, model_validator
 
+from mlxppd.core.log_text import escape, quoted
 from mlxppd.core.model_identity import StageIdentity, TensorRecord
 from mlxppd.core.strict import StrictModel
 
@@ -29,6 +36,15 @@ MAX_MANIFEST_BYTES = 64 << 20
 MAX_CHUNK_BYTES = 16 << 20
 #: bytes of config.json a manifest may carry
 MAX_CONFIG_BYTES = 1 << 20
+#: the safetensors header key that holds the file's metadata, never a tensor
+METADATA_KEY = "__metadata__"
+#: bytes per element of each safetensors dtype a node installs
+DTYPE_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1,
+    "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
+    "U32": 4, "I32": 4, "F32": 4,
+    "U64": 8, "I64": 8, "F64": 8, "C64": 8,
+}  # fmt: skip
 
 
 class Identify(StrictModel):
@@ -64,17 +80,90 @@ class PrepareManifest(StrictModel):
     num_stages: int = Field(ge=1, le=4096)
     records: list[TensorRecord] = Field(max_length=MAX_MANIFEST_TENSORS)
 
+    @model_validator(mode="after")
+    def _coherent(self) -> PrepareManifest:
+        problem = manifest_problem(self)
+        if problem is not None:
+            raise ValueError(problem)
+        return self
+
+
+def tensor_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot name a tensor of an installed copy, as a clause (None: it can)."""
+    if name == METADATA_KEY:
+        return "is the key safetensors reserves for a file's metadata, not a tensor name"
+    if "/" in name or "\\" in name:
+        return "holds a path separator; tensor names are keys such as model.embed_tokens.weight"
+    if any(unicodedata.category(c).startswith("C") for c in name):
+        return "holds a control, format or unassigned character (NUL among them)"
+    return None
+
+
+def record_problem(record: TensorRecord) -> str | None:
+    """Why ``record`` (its name aside) cannot be installed, as a clause (None: it can)."""
+    size = DTYPE_BYTES.get(record.dtype)
+    if size is None:
+        return f"dtype {quoted(record.dtype)} is not one of {', '.join(DTYPE_BYTES)}"
+    if math.prod(record.shape) * size != record.nbytes:
+        return (
+            f"nbytes {record.nbytes} is not what dtype {record.dtype} and shape {record.shape} hold"
+        )
+    return None
+
+
+def manifest_problem(manifest: PrepareManifest) -> str | None:
+    """The first thing that makes ``manifest`` impossible to install, naming the field."""
+    start, end = manifest.layers
+    if start > end:
+        return f"layers: [{start}, {end}) ends before it starts"
+    if manifest.stage >= manifest.num_stages:
+        return f"stage: {manifest.stage} is not below num_stages ({manifest.num_stages})"
+    first: dict[str, int] = {}
+    for index, record in enumerate(manifest.records):
+        field = f"records[{index}]"
+        problem = tensor_name_problem(record.name)
+        if problem is not None:
+            return f"{field}.name: {quoted(record.name, 80)} {problem}"
+        if record.name in first:
+            return (
+                f"{field}.name: {quoted(record.name, 80)} is listed twice (records"
+                f"[{first[record.name]}] too); a manifest names each tensor once"
+            )
+        first[record.name] = index
+        problem = record_problem(record)
+        if problem is not None:
+            return f"{field}: {problem}"
+    return None
+
+
+class ManifestError(ValueError):
+    """A prepare manifest refused at the edge; the message names the field."""
+
 
 _MANIFEST: TypeAdapter[PrepareManifest] = TypeAdapter(PrepareManifest)
 
 
 def parse_manifest(payload: bytes) -> PrepareManifest:
+    """The manifest in a check's payload, or a :class:`ManifestError` in one sentence."""
     if len(payload) > MAX_MANIFEST_BYTES:
-        raise ValueError(f"a manifest of {len(payload)} bytes; at most {MAX_MANIFEST_BYTES}")
-    manifest = _MANIFEST.validate_json(payload)
+        raise ManifestError(f"a manifest of {len(payload)} bytes; at most {MAX_MANIFEST_BYTES}")
+    try:
+        manifest = _MANIFEST.validate_json(payload)
+    except ValidationError as exc:
+        raise ManifestError(f"the prepare manifest was refused: {_first_error(exc)}") from None
     if len(str(manifest.config)) > MAX_CONFIG_BYTES:
-        raise ValueError("the manifest's config is too large")
+        raise ManifestError("the prepare manifest was refused: config: it is too large")
     return manifest
+
+
+def _first_error(exc: ValidationError) -> str:
+    """The first problem as ``field: message``, without echoing the input (pydantic's text
+    quotes it, and a peer's text does not belong in a reply or a log line unescaped)."""
+    error = exc.errors(include_url=False, include_input=False)[0]
+    message = str(error["msg"]).removeprefix("Value error, ")
+    where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in error["loc"])
+    where = escape(where.lstrip("."), 120)  # an unknown key's name is the peer's text
+    return f"{where}: {message}" if where else message
 
 
 class PrepareCheck(StrictModel):

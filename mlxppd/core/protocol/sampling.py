@@ -18,8 +18,11 @@ MAX_LOGIT_BIAS = 1024
 MAX_TOP_LOGPROBS = 20
 #: bytes of a JSON schema a request may constrain its output to
 MAX_SCHEMA_BYTES = 64 * 1024
-#: bytes of a SamplerSpec payload (1024 biases take about 30 KiB, a schema at most 64 KiB)
-MAX_SPEC_BYTES = 160 * 1024
+#: tokens a replayed constrained sequence may carry for its grammar to follow (``replay``)
+MAX_REPLAY_TOKENS = 32 * 1024
+#: bytes of a SamplerSpec payload: 1024 biases take about 30 KiB, a schema at most 64 KiB (more
+#: once escaped), a replay at most 11 bytes a token
+MAX_SPEC_BYTES = 160 * 1024 + 11 * MAX_REPLAY_TOKENS
 
 TokenId = Annotated[int, Field(ge=0, lt=1 << 32)]
 Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
@@ -58,6 +61,13 @@ class SamplerSpec(StrictModel):
         description="the prompt's last tokens, which the penalties count as mlx-lm's do",
     )
     grammar: GrammarSpec | None = Field(None, description="constrain the output to JSON")
+    replay: list[TokenId] = Field(
+        default_factory=list,
+        max_length=MAX_REPLAY_TOKENS,
+        description="a replayed sequence's tokens sent before the failover (as many as its "
+        "first_draw): its grammar follows them before the next draw, which the last stage "
+        "never saw, since they are prefilled through stage 0",
+    )
 
     @property
     def penalizes(self) -> bool:

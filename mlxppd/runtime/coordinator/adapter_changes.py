@@ -21,6 +21,7 @@ from mlxppd.core.adapters import adapter_name_problem, wanted_by
 from mlxppd.core.errors import ConfigurationError, TemporaryError
 from mlxppd.core.log_text import escape
 from mlxppd.core.protocol.adapters import AdapterLoad, AdapterReply, AdapterUnload
+from mlxppd.core.protocol.model_transfer import Identify, IdentityReply
 from mlxppd.core.stages import StageSpec
 from mlxppd.core.strict import StrictModel
 from mlxppd.engine.adapters.reader import adapter_digest, read_adapter_config
@@ -61,9 +62,9 @@ class AdapterChanges:
         self._model_id = model_id
         self._lock = asyncio.Lock()
 
-    def _expected_digests(self, path: Path) -> list[str | None]:
-        """The digest each stage should report, from the coordinator's copy (None: unknown)."""
-        chain = self._chain()
+    def _expected_digests(self, path: Path, chain: StageChain) -> list[str | None]:
+        """The digest each stage of ``chain`` should report, from the coordinator's copy (None:
+        unknown)."""
         if self._identity is None or chain.plan is None:
             return [None] * len(chain.links)
         tied = bool(self._identity.config.get("tie_word_embeddings", False))
@@ -101,7 +102,7 @@ class AdapterChanges:
         where = Path(path).expanduser()
         # A bad directory is refused here, before any stage (read off the event loop).
         await asyncio.to_thread(read_adapter_config, where)
-        expected = await asyncio.to_thread(self._expected_digests, where)
+        expected = await asyncio.to_thread(self._expected_digests, where, self._chain())
         replies = await asyncio.gather(
             *(
                 self._ask_adapter(link, AdapterLoad(name=name, path=str(where)))
@@ -128,6 +129,43 @@ class AdapterChanges:
             "stages": [r.model_dump(exclude={"rid", "ok", "error"}) for r in replies],
         }
 
+    async def supply(self, chain: StageChain) -> None:
+        """Every stage of ``chain``, a new pipeline, holds every adapter the cluster serves:
+        one a stage lacks (a standby that adopted a stage, a restarted node, each holding the
+        cluster file's only) is loaded on it and checked against the coordinator's copy. One
+        that cannot be loaded there is no longer served, rather than failing the pipeline."""
+        named = {n: p for n, p in self._registry.paths().items() if n}
+        if not named:
+            return
+        async with self._lock:
+            replies = await asyncio.gather(
+                *(chain.ask(link, Identify(), IdentityReply) for link in chain.links)
+            )
+            for index, reply in enumerate(replies):
+                held = set(reply.identity.adapters) if reply.identity is not None else set()
+                for name in sorted(set(named) - held):
+                    problem = await self._load_on(chain, index, name, named[name])
+                    if problem is not None:
+                        log.error("coordinator: adapter %s is no longer served: %s",
+                                  escape(name), problem)  # fmt: skip
+                        await self._drop_everywhere(name, chain)
+                        self._registry.remove(name)
+                        named.pop(name)
+
+    async def _load_on(self, chain: StageChain, index: int, name: str, path: Path) -> str | None:
+        """Load adapter ``name`` on stage ``index`` of ``chain``; what went wrong, or None."""
+        link = chain.links[index]
+        reply = await self._ask_adapter(link, AdapterLoad(name=name, path=str(path)), chain)
+        if not reply.ok:
+            return f"stage {index} ({link.node.id}) could not load it: {reply.error}"
+        want = (await asyncio.to_thread(self._expected_digests, path, chain))[index]
+        if want is not None and reply.digest != want:
+            return (f"stage {index} ({link.node.id}) holds another copy (sha256 "
+                    f"{str(reply.digest)[:16]}, the coordinator's {want[:16]})")  # fmt: skip
+        log.info("coordinator: adapter %s loaded on stage %d (%s), which lacked it",
+                 escape(name), index, link.node.id)  # fmt: skip
+        return None
+
     async def _unload(self, name: str, drain_timeout_s: float) -> dict[str, Any]:
         if self._registry.path(name) is None:
             raise ConfigurationError(f"no adapter named {name!r} is loaded", source="name")
@@ -142,15 +180,18 @@ class AdapterChanges:
         log.info("coordinator: adapter %s unloaded from every stage", escape(name))
         return {"name": name, "unloaded": True}
 
-    async def _ask_adapter(self, link: StageLink, command: StrictModel) -> AdapterReply:
+    async def _ask_adapter(
+        self, link: StageLink, command: StrictModel, chain: StageChain | None = None
+    ) -> AdapterReply:
         """A stage's answer; a stage lost meanwhile answers ``ok=False`` (the chain's error
         policy has turned its silence into BackendUnavailable), so the others drop it."""
         try:
-            return await self._chain().ask(link, command, AdapterReply, LOAD_TIMEOUT_S)
+            return await (chain or self._chain()).ask(link, command, AdapterReply, LOAD_TIMEOUT_S)
         except BackendUnavailable as exc:
             return AdapterReply(ok=False, error=f"no answer ({exc})")
 
-    async def _drop_everywhere(self, name: str) -> None:
-        for link in self._chain().links:
+    async def _drop_everywhere(self, name: str, chain: StageChain | None = None) -> None:
+        chain = chain or self._chain()
+        for link in chain.links:
             with contextlib.suppress(Exception):
-                await self._ask_adapter(link, AdapterUnload(name=name))
+                await self._ask_adapter(link, AdapterUnload(name=name), chain)

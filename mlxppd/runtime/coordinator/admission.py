@@ -15,6 +15,7 @@ import numpy as np
 from mlxppd.core.kv_admission import AdmissionDiagnostic, RejectReason
 from mlxppd.core.prompt_cache import PromptIndex, Reuse
 from mlxppd.core.protocol.control import Admit, AdmitReply, Forget, Release
+from mlxppd.core.protocol.sampling import MAX_REPLAY_TOKENS, SamplerSpec
 from mlxppd.runtime.backends.contract import (
     AdmissionClosed,
     AdmissionRejected,
@@ -66,7 +67,7 @@ class SequenceAdmission:
         self, seq: str, prompt: list[int], params: SamplingParams, first_draw: int
     ) -> None:
         chain = self._chain()
-        spec = params.sampler_spec(prompt)
+        spec = _with_replay(params.sampler_spec(prompt), prompt, first_draw)
         # The sampler's extras go to the last stage only, as a JSON payload.
         sampler = np.frombuffer(spec.model_dump_json().encode(), np.uint8) if spec else None
         payloads = [None] * (len(chain.links) - 1) + [sampler]
@@ -77,16 +78,20 @@ class SequenceAdmission:
                 plan=chain.plan, first_draw=first_draw, adapter=params.adapter,
             )  # fmt: skip
             replies = await chain.ask_each(command, AdmitReply, payloads=payloads)
-            refused = [d for i, r in enumerate(replies) if (d := r.refusal(i)) is not None]
+            refused = [(d, r) for i, r in enumerate(replies) if (d := r.refusal(i)) is not None]
             if refused:
                 if commit:  # another request took the room between dry run and commit
                     await self.release(seq)
-                diagnostic = refused[0]
+                diagnostic, reply = refused[0]
                 self._rejected(seq, diagnostic)
                 if diagnostic.reason in (RejectReason.DRAINING, RejectReason.PLAN_MISMATCH):
                     raise AdmissionClosed(diagnostic.message())
                 if diagnostic.reason is RejectReason.INVALID_REQUEST:
-                    raise RequestRefused(diagnostic.message())
+                    # The stage's sentence says what it could not serve (a schema too slow to
+                    # compile, a bias outside the vocabulary) and what to change.
+                    detail = reply.diagnostic.detail if reply.diagnostic else None
+                    message = diagnostic.message()
+                    raise RequestRefused(f"{message}: {detail}" if detail else message)
                 raise AdmissionRejected(diagnostic)
 
     def _rejected(self, seq: str, d: AdmissionDiagnostic) -> None:
@@ -134,3 +139,26 @@ class SequenceAdmission:
         """A new chain: no stage holds the old chain's entries."""
         if self.prompts is not None:
             self.prompts.clear()
+
+    async def forget_all(self) -> None:
+        """Every stage drops every entry (a layer move: a stage that moved keeps none, one
+        that did not would hold its entries for nobody)."""
+        gone = self.prompts.clear() if self.prompts is not None else []
+        for start in range(0, len(gone), 1024):  # Forget's bound per command
+            await self._chain().tell_each(Forget(entries=gone[start : start + 1024]))
+
+
+def _with_replay(
+    spec: SamplerSpec | None, prompt: list[int], first_draw: int
+) -> SamplerSpec | None:
+    """A replayed constrained sequence's spec carries the tokens it sent before (the last
+    ``first_draw`` of its prompt): they reach the last stage only as stage 0's prefill, and
+    its grammar must follow them before the next draw."""
+    if spec is None or spec.grammar is None or not first_draw:
+        return spec
+    if first_draw > MAX_REPLAY_TOKENS:
+        raise RequestRefused(
+            f"a constrained answer of {first_draw} tokens cannot be continued after a failover "
+            f"(at most {MAX_REPLAY_TOKENS}); ask for fewer max_tokens"
+        )
+    return spec.model_copy(update={"replay": prompt[len(prompt) - first_draw :]})

@@ -213,9 +213,13 @@ class StageChain:
 
 
 async def drop_links(links: list[StageLink]) -> None:
-    """Close ``links``: each stage frees the KV of every sequence sent on it."""
-    for link in links:
+    """Close ``links``: each stage frees the KV of every sequence sent on it. A request still
+    waiting on one gets its link's closing at once (the error policy says what it raises),
+    not its reply timeout: its reader, which would have told it, is stopped here."""
+    for link in links:  # all marked first: a closing one yields, and the rest are gone too
         link.alive = False
+        link.control.fail(ChannelClosedError("the coordinator dropped this stage link", clean=True))
+    for link in links:
         if link.reader is not None:
             link.reader.cancel()
         await link.channel.close()

@@ -25,7 +25,7 @@ from mlxppd.core.errors import ConfigurationError, TemporaryError
 from mlxppd.core.layer_ranges import LayerRange
 from mlxppd.core.model_identity import IdentityCheck
 from mlxppd.core.prompt_cache import PromptIndex
-from mlxppd.core.protocol.control import Heartbeat, ReassignReply, StageReport
+from mlxppd.core.protocol.control import ReassignReply, StageReport
 from mlxppd.core.serving_state import Serving, ServingEvent, ServingState
 from mlxppd.runtime.backends.contract import (
     BackendUnavailable,
@@ -44,7 +44,8 @@ from mlxppd.runtime.coordinator.identity_check import (
     check_links,
     refuse_mismatches,
 )
-from mlxppd.runtime.coordinator.link_reader import LinkReader
+from mlxppd.runtime.coordinator.layout_restore import LayoutRestorer, drained
+from mlxppd.runtime.coordinator.link_reader import LinkReader, send_heartbeats
 from mlxppd.runtime.coordinator.prompt_sender import PromptSender
 from mlxppd.runtime.coordinator.recovery import (
     ChainBuilder,
@@ -60,8 +61,6 @@ from mlxppd.runtime.coordinator.stage_link import StageLink
 from mlxppd.runtime.coordinator.stage_trace import stage_trace_events
 from mlxppd.runtime.observability.metrics import PipelineMetrics
 from mlxppd.runtime.observability.trace import TraceBuffer, TraceFile
-from mlxppd.wire.codec import MessageKind
-from mlxppd.wire.errors import ChannelClosedError
 from mlxppd.wire.tasks import spawn, stop_tasks
 from mlxppd.wire.transport import Transport
 
@@ -117,6 +116,8 @@ class Coordinator:
         self._settled.set()
         #: stages whose link failed under the pipeline serving now (their cards show it)
         self.lost_nodes: set[str] = set()
+        #: whether admissions are held above it (a drain, a repartition): no restore then
+        self.admission_held: Callable[[], bool] = lambda: False
         self.metrics = metrics
         self._trace_file = TraceFile(trace_path) if trace_path is not None else None
         self.trace = TraceBuffer(pid="coordinator", enabled=trace_path is not None)
@@ -163,6 +164,15 @@ class Coordinator:
             self.failover.heartbeat_timeout_s if self.failover else None,
         )
         self._build = ChainBuilder(self.open_link, self.link_lost, self.configure_chain)
+        self.restorer = None if not self.failover or not self.failover.restore_layout else (
+            LayoutRestorer(
+                self.failover, self._build, file_nodes=self.cluster.pipeline_nodes,
+                serving_nodes=self.chain_nodes,
+                serving=lambda: self.serving.state is ServingState.SERVING,
+                held=lambda: self.admission_held(), restore=self.restore_layout,
+                clock=self._clock,
+            )
+        )  # fmt: skip
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -171,7 +181,10 @@ class Coordinator:
             self.chain.links.append(await self.open_link(node, self._connect_timeout_s))
         await self.configure_chain(self.chain)
         if self.failover is not None:
-            self._tasks["heartbeat"] = spawn(self._heartbeats(), name="coordinator-heartbeat")
+            beats = send_heartbeats(lambda: self.chain, self.failover.heartbeat_interval_s)
+            self._tasks["heartbeat"] = spawn(beats, name="coordinator-heartbeat")
+            if self.restorer is not None and self.file_plan is not None:
+                self._tasks["restore"] = spawn(self.restorer.run(), name="layout-restore")
         if warmup:
             await self.warm()
         self._serve(ServingEvent.START, "all stages connected")
@@ -204,6 +217,8 @@ class Coordinator:
         """Tell each stage where its output goes (and how often to say it is alive), once
         every stage has shown it serves the cluster's model."""
         await self.verify_identities(chain)
+        # A standby that adopted a stage, or a restarted node, holds only the file's adapters.
+        await self.adapter_changes.supply(chain)
         self.admission.clear()  # a new chain: no stage holds the old chain's entries
         f = self.failover
         await chain.configure(
@@ -232,6 +247,8 @@ class Coordinator:
     async def close(self) -> None:
         await stop_tasks(*self._tasks.values())
         self._serve(ServingEvent.STOP, "the coordinator stopped")
+        # Open sequences end now: none waits out a step that will not come back.
+        self.router.fail_all(BackendUnavailable("the coordinator stopped"))
         await self.flush_trace()
         await self.chain.close()
         self.chain.links.clear()
@@ -244,8 +261,10 @@ class Coordinator:
         return self.chain.plan
 
     def expect_plan(self, plan: tuple[LayerRange, ...]) -> None:
-        """The stages reload ``plan`` themselves (an agent's replan): admit against it."""
+        """The stages reload ``plan`` themselves (an agent's replan): admit against it. It is
+        the file's plan now (a restarted stage holds it; a restore returns to it)."""
         self.chain.plan = plan
+        self.file_plan = plan
 
     @property
     def prompts(self) -> PromptIndex | None:
@@ -299,7 +318,11 @@ class Coordinator:
     ) -> list[ReassignReply]:
         """The chain's two-phase move to ``target`` (``StageChain.move``), then every stage's
         identity checked again."""
-        replies = await self.chain.move(target, prepare_timeout_s)
+        try:
+            replies = await self.chain.move(target, prepare_timeout_s)
+        finally:
+            # A stage that moved has new runners: its prompt-cache entries went with the old.
+            await self.admission.forget_all()
         await self.verify_chain()
         return replies
 
@@ -353,19 +376,6 @@ class Coordinator:
                     pass
             await asyncio.sleep(every_s)
 
-    async def _heartbeats(self) -> None:
-        """Tell every stage this coordinator is alive, every interval."""
-        assert self.failover is not None
-        beat = Heartbeat().model_dump()
-        while True:
-            for link in list(self.chain.links):
-                if link.alive:
-                    try:
-                        await link.channel.send(MessageKind.CONTROL, beat)
-                    except ChannelClosedError as exc:
-                        self.link_lost(link, f"stage {link.node.id} was lost: {exc}")
-            await asyncio.sleep(self.failover.heartbeat_interval_s)
-
     # -- GenerationBackend ---------------------------------------------------------------------
 
     def generate_choices(
@@ -411,7 +421,16 @@ class Coordinator:
         """Every chain's error policy: ``link`` failed; what the request on it raises (a pause
         while a failover runs, else the end)."""
         self._fail(link, reason)
+        return self._lost_error(link, reason)
+
+    def _lost_error(self, link: StageLink, reason: str) -> Exception:
+        """What a request waiting on a lost link raises: a pause when a new pipeline is being
+        found (or serves already: the link was the old one's), so the runner replays it;
+        otherwise the end."""
         if self.serving.waits:
+            return PipelineInterrupted(reason)
+        replaced = link not in self.chain.links and self.serving.state is ServingState.SERVING
+        if self.failover is not None and replaced:
             return PipelineInterrupted(reason)
         return BackendUnavailable(self.serving.detail if self.serving.refuses else reason)
 
@@ -419,12 +438,15 @@ class Coordinator:
         if not link.alive:
             return
         link.alive = False
-        self.lost_nodes.add(link.node.id)
-        link.control.fail(BackendUnavailable(reason))
         state = self.serving.state
         if link not in self.chain.links or state in (ServingState.RECOVERING, ServingState.STOPPED):
-            return  # a link of a recovery in progress, or one it is replacing
-        if self.failover is not None and state is ServingState.SERVING:
+            # A link of a recovery in progress, or one it is replacing: its caller decides.
+            link.control.fail(self._lost_error(link, reason))
+            return
+        self.lost_nodes.add(link.node.id)
+        if self.failover is not None and state in (ServingState.SERVING, ServingState.RESTORING):
+            # The requests waiting on this link (an admission, say) are paused with the
+            # others, not failed: they are replayed on the new pipeline.
             self._begin_recovery(link, reason)
             return
         if state is not ServingState.DOWN:
@@ -439,21 +461,25 @@ class Coordinator:
         lost = self.chain.links.index(link)
         detail = f"lost stage {lost} ({link.node.id}): {reason}"
         self._serve(ServingEvent.LOSE_RECOVERABLE, detail)
-        log.error("coordinator: %s; %d sequences wait for a new pipeline", detail,
-                  len(self.router.queues))  # fmt: skip
-        interrupted = PipelineInterrupted(detail)
+        waiting = self.active  # open sequences, and those caught in their admission
+        log.error("coordinator: %s; %d sequences wait for a new pipeline", detail, waiting)
+        self._interrupt(PipelineInterrupted(detail))
+        self._tasks["recovery"] = spawn(self._recover(lost, reason, waiting), name="failover")
+
+    def _interrupt(self, interrupted: PipelineInterrupted) -> None:
+        """Pause every open sequence and every request waiting on a stage: each is replayed
+        once a new pipeline serves."""
         self.router.fail_all(interrupted)
         for each in self.chain.links:
             each.control.fail(interrupted)
-        waiting = len(self.router.queues)
-        self._tasks["recovery"] = spawn(self._recover(lost, reason, waiting), name="failover")
 
     async def _recover(self, lost: int, reason: str, waiting: int) -> None:
         assert self.failover is not None
         old = self.chain
         node = old.links[lost].node
-        standby = self.cluster.standby_nodes()
-        recovery = Recovery(self._build, self.failover, old, lost, standby, self.file_plan)
+        recovery = Recovery.after_loss(
+            self._build, self.failover, old, lost, self.cluster.standby_nodes(), self.file_plan
+        )
         await old.close()
         event, new = await recovery.attempt(reason, waiting)
         self.failovers.append(event)
@@ -466,6 +492,34 @@ class Coordinator:
             ServingEvent.GIVE_UP, f"lost stage {lost} ({node.id}): {reason}; {event.detail}"
         )
         self._tasks["recovery"] = spawn(self._until_back(recovery), name="failover-retry")
+
+    async def restore_layout(self) -> None:
+        """Put the cluster file's nodes and layers back (the nodes a failover left out serve
+        again): new requests wait, running ones may finish for ``restore_drain_s``, then the
+        rest pause and are replayed on the restored pipeline (``Recovery.restore``; when the
+        file's layout cannot be had after all, the one that served comes back)."""
+        f = self.failover
+        assert f is not None and self.file_plan is not None
+        if self.serving.state is not ServingState.SERVING:
+            return
+        self._serve(ServingEvent.RESTORE, "putting the cluster file's layout back")
+        restoring = lambda: self.serving.state is ServingState.RESTORING  # noqa: E731
+        if not await drained(lambda: self.active, restoring, self._clock, f.restore_drain_s):
+            return  # a stage was lost meanwhile: a failover took over
+        waiting = self.active
+        self._interrupt(PipelineInterrupted("the cluster file's layout is being restored"))
+        old, standby = self.chain, self.cluster.standby_nodes()
+        await old.close()
+        restore = Recovery(self._build, f, self.cluster.pipeline_nodes(), self.file_plan, (),
+                           standby, self.file_plan)  # fmt: skip
+        back = Recovery(self._build, f, old.nodes(), old.plan, (), standby, self.file_plan)
+        new = await restore.restore(waiting, back)
+        if new is not None:
+            self.install(new.chain)
+            return
+        self._serve(ServingEvent.GIVE_UP, "the cluster file's layout could not be restored, nor "
+                    "the one that served before")  # fmt: skip
+        self._tasks["recovery"] = spawn(self._until_back(restore), name="failover-retry")
 
     async def _until_back(self, recovery: Recovery) -> None:
         self.install(await recovery.until_back())

@@ -115,11 +115,16 @@ class ElasticDriver:
         pp_layers: str | None = None,
     ) -> dict[str, Any]:
         """Start a repartition, or say why not. Returns at once; the work runs in a task."""
-        if pp_layers is not None:
-            try:  # a bad plan is refused before anything drains
-                parse_pp_layers(pp_layers, self.profile.num_layers, self.profile.adjacency_groups)
-            except MlxppError as exc:
-                return {"accepted": False, "reason": "invalid_plan", "message": str(exc)}
+        coordinator = self.gate.coordinator
+        if coordinator is not None and coordinator.serving.waits:
+            return {"accepted": False, "reason": "failover", "message": "a failover is moving "
+                    "the stages now; repartition once the cluster serves again"}  # fmt: skip
+        if coordinator is not None and coordinator.plan is not None and not self._moving:
+            # A failover may have changed the pipeline (survivors: fewer stages).
+            self.machine = replace(self.machine, ranges=coordinator.plan)
+        refused = self._refused_plan(stage_memory, pp_layers)
+        if refused is not None:  # a bad plan is refused before anything drains
+            return {"accepted": False, "reason": "invalid_plan", "message": refused}
         step = begin(self.machine, trigger, self._clock())
         if isinstance(step, Rejection):
             return {"accepted": False, "reason": str(step), "message": step.sentence()}
@@ -127,6 +132,33 @@ class ElasticDriver:
         self._record(event)
         self._task = spawn(self._run(stage_memory, pp_layers), name=f"elastic-{trigger}")
         return {"accepted": True, "state": str(self.machine.state), "seq": self._next_event - 1}
+
+    @property
+    def _moving(self) -> bool:
+        return self.machine.state in (
+            ElasticState.DRAINING, ElasticState.REBALANCING, ElasticState.RESUMING,
+        )  # fmt: skip
+
+    def _refused_plan(
+        self, stage_memory: Sequence[int | None] | None, pp_layers: str | None
+    ) -> str | None:
+        """Why a given plan cannot be the pipeline's (None: it can, or none is given): a
+        repartition keeps the number of stages serving now."""
+        n = len(self.machine.ranges)
+        if stage_memory is not None and len(stage_memory) != n:
+            return (f"{len(stage_memory)} memory budgets given for the {n} stages serving now; "
+                    f"give one per stage")  # fmt: skip
+        if pp_layers is None:
+            return None
+        try:
+            ranges = parse_pp_layers(pp_layers, self.profile.num_layers,
+                                     self.profile.adjacency_groups)  # fmt: skip
+        except MlxppError as exc:
+            return str(exc)
+        if len(ranges) != n:
+            return (f"--pp-layers gives {len(ranges)} ranges for the {n} stages serving now; "
+                    f"give one per stage")  # fmt: skip
+        return None
 
     async def watch_pressure(self, stop: asyncio.Event, every_s: float = 1.0) -> None:
         """Fire ``memory_pressure`` when a stage's KV use crosses the policy's fraction."""
@@ -174,6 +206,8 @@ class ElasticDriver:
         try:
             if coordinator is None or not coordinator.connected:
                 raise RepartitionFailed("the pipeline is not connected")
+            if coordinator.serving.waits:
+                raise RepartitionFailed("a failover is moving the stages; nothing changed")
             self.gate.hold(
                 ELASTIC_HOLD, "the cluster is moving layers between stages; retry shortly"
             )
@@ -193,9 +227,7 @@ class ElasticDriver:
         except (MlxppError, BackendUnavailable, OSError) as exc:
             self._fail(str(exc))
         except asyncio.CancelledError:
-            if self.machine.state in (
-                ElasticState.DRAINING, ElasticState.REBALANCING, ElasticState.RESUMING,
-            ):  # fmt: skip
+            if self._moving:
                 self._fail("cancelled (shutdown)")
             raise
         finally:

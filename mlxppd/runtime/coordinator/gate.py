@@ -28,13 +28,24 @@ class GatedBackend:
     def __init__(self, tokenizer: Any, model_id: str) -> None:
         self._tokenizer = tokenizer
         self._model_id = model_id
-        self.coordinator: Coordinator | None = None
+        self._coordinator: Coordinator | None = None
         self._holds: dict[str, str] = {}  # why admissions are held -> sentence for clients
         self.in_flight = 0
         #: why the pipeline was refused (a stage serving another model), while it is
         self.refusal: str | None = None
         self._idle = asyncio.Event()
         self._idle.set()
+
+    @property
+    def coordinator(self) -> Coordinator | None:
+        return self._coordinator
+
+    @coordinator.setter
+    def coordinator(self, coordinator: Coordinator | None) -> None:
+        self._coordinator = coordinator
+        if coordinator is not None:
+            # A held gate (a drain, a repartition, a reload) is no time to restore a layout.
+            coordinator.admission_held = lambda: bool(self._holds)
 
     # -- the gate ------------------------------------------------------------------------------
 

@@ -1,14 +1,16 @@
 """Reading one stage link until it fails: replies go to whoever asked, sampled tokens and a
 stage's report that it failed some sequences to the sequence router, heartbeats nowhere (their
 arrival was the point). A link that fails, or stays silent past the heartbeat timeout once it
-is configured, is handed to the chain's error policy."""
+is configured, is handed to the chain's error policy. The coordinator's own heartbeats go out
+on every link of the serving chain (``send_heartbeats``)."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
-from mlxppd.core.protocol.control import parse_control
-from mlxppd.runtime.coordinator.chain import LinkLost
+from mlxppd.core.protocol.control import Heartbeat, parse_control
+from mlxppd.runtime.coordinator.chain import LinkLost, StageChain
 from mlxppd.runtime.coordinator.sequence_router import SequenceRouter
 from mlxppd.runtime.coordinator.stage_link import StageLink
 from mlxppd.wire.codec import MessageKind
@@ -48,3 +50,18 @@ class LinkReader:
             self._on_lost(link, f"lost stage {link.node.id}: {exc}")
         except Exception as exc:
             self._on_lost(link, f"bad message from stage {link.node.id}: {exc}")
+
+
+async def send_heartbeats(chain: Callable[[], StageChain], interval_s: float) -> None:
+    """Tell every stage of ``chain()`` (the serving one: a recovery replaces it) that the
+    coordinator is alive, every ``interval_s``; a link that fails here is lost."""
+    beat = Heartbeat().model_dump()
+    while True:
+        serving = chain()
+        for link in list(serving.links):
+            if link.alive:
+                try:
+                    await link.channel.send(MessageKind.CONTROL, beat)
+                except ChannelClosedError as exc:
+                    serving.lost(link, f"stage {link.node.id} was lost: {exc}")
+        await asyncio.sleep(interval_s)

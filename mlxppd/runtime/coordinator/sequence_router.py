@@ -45,14 +45,17 @@ class SequenceRouter:
         self.queues[seq] = queue
         return queue
 
-    def leave(self, seq: str) -> None:
-        """``seq`` takes no more decode steps in its micro-batch."""
-        if self.batcher is not None:
-            self.batcher.leave(seq)
+    def leave(self, seq: str) -> asyncio.Future[None] | None:
+        """``seq`` takes no more decode steps in its micro-batch. The future is done once the
+        stages may free it (None: it was in no micro-batch)."""
+        if self.batcher is not None and self.batcher.holds(seq):
+            return self.batcher.leave(seq)
+        return None
 
-    def close(self, seq: str) -> None:
+    def close(self, seq: str) -> asyncio.Future[None] | None:
+        """``seq`` is done: no more tokens are routed to it (see ``leave`` for the future)."""
         self.queues.pop(seq, None)
-        self.leave(seq)
+        return self.leave(seq)
 
     def fail_all(self, error: Exception) -> None:
         """Every running sequence sees ``error`` next."""
@@ -87,8 +90,9 @@ class SequenceRouter:
                 self.batcher.fail_group(group.group, f"stage {node_id}: {group.message}")
             return
         failure = SequenceFailure.model_validate(dict(meta))
+        error = SequenceFailed(f"stage {failure.stage} failed on this request: {failure.message}")
+        if self.batcher is not None and self.batcher.fail_member(failure.seq, error):
+            return  # it failed inside its micro-batch; the group goes on
         queue = self.queues.get(failure.seq)
         if queue is not None:
-            queue.put_nowait(
-                SequenceFailed(f"stage {failure.stage} failed on this request: {failure.message}")
-            )
+            queue.put_nowait(error)

@@ -24,13 +24,17 @@ from mlxppd.runtime.coordinator.adapter_registry import AdapterRegistry
 from mlxppd.runtime.coordinator.admission import SequenceAdmission
 from mlxppd.runtime.coordinator.prompt_sender import PromptSender
 from mlxppd.runtime.coordinator.recovery import PipelineInterrupted
-from mlxppd.runtime.coordinator.sequence_router import SequenceRouter
+from mlxppd.runtime.coordinator.sequence_router import Item, SequenceRouter
 from mlxppd.runtime.coordinator.shared_prefill import SharedPrefill
 from mlxppd.runtime.coordinator.speed_meter import SpeedMeter
 from mlxppd.runtime.observability.metrics import PipelineMetrics
 from mlxppd.runtime.observability.trace import TraceBuffer
 
 log = logging.getLogger("mlxppd.coordinator")
+
+#: the longest a finished sequence waits for its last step in flight before it is freed anyway
+#: (a lost stage fails the step much sooner: its heartbeat times out first)
+_SETTLE_S = 30.0
 
 
 class SequenceRunner:
@@ -187,14 +191,19 @@ class SequenceRunner:
                 await self._admission.release(seq)  # the copies of the leader's head it holds
             raise
         queue = self._router.open(seq)
+        tokens: list[int] = []
+        final = False
+        # A step of this sequence alone (its prefill, or a decode step outside a micro-batch)
+        # is on its way: the stages may free it only once that step's answer is back.
+        outstanding = False
         try:
             step = await self._sender.prefill(seq, prompt, params, share, reuse)
-            tokens: list[int] = []
-            final = False
+            outstanding = True
             pending: asyncio.Future[TokenEvent] | None = None
             for produced in range(params.max_tokens):
                 if pending is None:
                     got = await queue.get()
+                    outstanding = False
                     if isinstance(got, SequenceFailed) and reuse is not None and not produced:
                         raise _CacheMiss() from got
                     if isinstance(got, Exception):
@@ -217,6 +226,7 @@ class SequenceRunner:
                         pending = batcher.submit(seq, item.token, params.logprobs)
                     else:
                         step += 1
+                        outstanding = True
                         await self._sender.send_input(
                             seq, step, [item.token], True, params.logprobs
                         )
@@ -230,10 +240,27 @@ class SequenceRunner:
                 if eos:
                     return
         finally:
+            try:
+                await self._settle(seq, queue if outstanding else None)
+            finally:
+                self._meter().ended(seq)
+                keep = (*prompt, *tokens[:-1]) if final else None
+                await self._admission.release(seq, keep, params.adapter or "")
+
+    async def _settle(self, seq: str, queue: asyncio.Queue[Item] | None) -> None:
+        """Wait (bounded) until no step of ``seq`` is in flight: a Release overtaking one made
+        the stage that had freed it fail the step (and, before, its whole micro-batch).
+        ``queue``: the sequence's own step is outstanding and answers there."""
+        try:
+            if queue is not None:
+                await asyncio.wait_for(queue.get(), _SETTLE_S)
+            settled = self._router.close(seq)
+            if settled is not None:
+                await asyncio.wait_for(settled, _SETTLE_S)
+        except TimeoutError:
+            log.warning("coordinator: %s still had a step in flight after %.0f s", seq, _SETTLE_S)
+        finally:
             self._router.close(seq)
-            self._meter().ended(seq)
-            keep = (*prompt, *tokens[:-1]) if final else None
-            await self._admission.release(seq, keep, params.adapter or "")
 
 
 def _leader_gone(share: SharedPrefill | None, seq: str) -> None:

@@ -89,6 +89,12 @@ class PipelineMetrics:
             ["reason"],
             registry=r,
         )
+        self.http_cut = Counter(
+            "mlxpp_http_connections_cut",
+            "HTTP connections cut: a deadline passed, a stream's reader stopped, a client reset",
+            ["reason"],
+            registry=r,
+        )
         self.failovers = Counter(
             "mlxpp_pp_failovers", "Lost stages, by how the pipeline recovered",
             ["outcome"], registry=r,

@@ -12,9 +12,11 @@ import logging
 import time
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
 
 from mlxppd.core.log_text import escape
+from mlxppd.core.log_throttle import LogThrottle
 from mlxppd.core.protocol.control import clip
 from mlxppd.core.protocol.pipeline import (
     BatchForwardMeta,
@@ -24,6 +26,8 @@ from mlxppd.core.protocol.pipeline import (
     SequenceFailure,
     TokenMeta,
 )
+from mlxppd.engine.sampling import Sampled
+from mlxppd.engine.stage_runner import RowFailed
 from mlxppd.engine.stage_threads import StageThreads
 from mlxppd.engine.tp_mirror import MirroredRunner
 from mlxppd.engine.wire_tensors import from_wire, to_wire
@@ -53,6 +57,7 @@ class StageCompute:
         # Sequences that failed here: their queued inputs are skipped until released.
         self._failed: set[str] = set()
         self._threads = StageThreads()
+        self._stale_log = LogThrottle(30.0)
 
     async def accept_activation(self, message: Message) -> None:
         """Queue an input for the compute loop: one sequence's, or a micro-batch's."""
@@ -114,6 +119,11 @@ class StageCompute:
         if meta.seq in self._failed:
             return  # the rest of a failed sequence's prefill: its request has been told
         s = self._state
+        if meta.seq not in s.kv.reserved:
+            # Released or never admitted here (an old pipeline's step after a SIGCONT, a step
+            # that lost a race with its release): running it would make caches nobody frees.
+            await self._stale([meta.seq])
+            return
         started = time.monotonic()
         sample = meta.sample and s.spec.has_lm_head
 
@@ -188,14 +198,49 @@ class StageCompute:
         failure = SequenceFailure(seq=seq, stage=index, message=clip(str(exc), 1000))
         await self._out.put((MessageKind.ERROR, failure, None))
 
+    async def _stale(self, seqs: list[str]) -> None:
+        """Steps of sequences this stage does not hold: dropped, counted, and each one's
+        request told (alone; a coordinator that already let it go ignores the failure)."""
+        s = self._state
+        s.stats.stale_steps += len(seqs)
+        if (counts := self._stale_log.note("stale steps")) is not None:
+            log.info("stage %d: dropped %s of sequences not held here", s.spec.index, counts)
+        for seq in seqs:
+            message = f"sequence {seq} is not held on stage {s.spec.index} (released already)"
+            failure = SequenceFailure(seq=seq, stage=s.spec.index, message=message)
+            await self._out.put((MessageKind.ERROR, failure, None))
+
+    def _held_rows(self, meta: BatchForwardMeta) -> list[int]:
+        """The rows of a micro-batch step whose sequences this stage holds."""
+        s = self._state
+        if s.runner is None:
+            return list(range(len(meta.seqs)))  # a standby: refused below, as a whole
+        runner = s.runner
+        return [
+            i
+            for i, seq in enumerate(meta.seqs)
+            if seq not in self._failed and seq in s.kv.reserved and runner.holds(seq)
+        ]
+
     async def _forward_group(self, meta: BatchForwardMeta, tensor: Any) -> None:
         s = self._state
+        held = self._held_rows(meta)
+        if len(held) < len(meta.seqs):
+            # A member released or failed here rides no further; the others go on.
+            await self._stale([seq for i, seq in enumerate(meta.seqs) if i not in set(held)])
+            if not held:
+                return
+        rows = held if len(held) < len(meta.seqs) else None
+        if rows is not None:
+            meta = meta.model_copy(update={"seqs": [meta.seqs[i] for i in rows]})
         started = time.monotonic()
         last = s.spec.has_lm_head
 
         def run() -> Any:
             self._threads.before_pass(meta.solo)
             x = from_wire(tensor)
+            if rows is not None and x.shape[0] > max(rows):
+                x = x[mx.array(rows)]
             if x.shape[0] != len(meta.seqs):
                 raise ValueError(f"{x.shape[0]} rows for {len(meta.seqs)} sequences")
             if last:
@@ -219,12 +264,19 @@ class StageCompute:
         s.stats.batched_passes += 1
         s.stats.batched_rows += len(meta.seqs)
         if last:
-            tokens = np.array([r.token for r in result], dtype=np.int32)
+            sampled = [(q, r) for q, r in zip(meta.seqs, result, strict=True)]
+            for seq, row in sampled:
+                if isinstance(row, RowFailed):
+                    await self._sequence_failed(seq, ValueError(row.message))
+            good = [(q, r) for q, r in sampled if isinstance(r, Sampled)]
+            if not good:
+                return
+            tokens = np.array([r.token for _, r in good], dtype=np.int32)
             out = BatchTokenMeta(
                 group=meta.group,
-                seqs=meta.seqs,
+                seqs=[q for q, _ in good],
                 step=meta.step,
-                logprobs=[r.logprob for r in result] if meta.logprobs else None,
+                logprobs=[r.logprob for _, r in good] if meta.logprobs else None,
             )
             await self._out.put((MessageKind.TOKENS, out, tokens))
             return

@@ -17,6 +17,8 @@ import numpy as np
 from pydantic import ValidationError
 
 import mlxppd
+from mlxppd.core.errors import MlxppError
+from mlxppd.core.log_text import escape
 from mlxppd.core.protocol.model_transfer import (
     Identify,
     IdentityReply,
@@ -95,8 +97,14 @@ class ModelCommands:
             try:
                 manifest = parse_manifest(payload)
                 state, names = await asyncio.to_thread(receiver.check, manifest)
-            except (ValidationError, ValueError, OSError) as exc:
+            except (ValidationError, ValueError, OSError, MlxppError) as exc:
+                # This prepare fails alone: the copy installed here, the channel and any other
+                # prepare's plan stay as they were.
                 detail = str(exc)[:600]
+                log.warning(
+                    "prepare: refused the manifest from %s: %s",
+                    channel.peer_address, escape(detail, 600),
+                )  # fmt: skip
                 await send_reply(channel, PrepareState(rid=command.rid, ok=False, error=detail))
                 return
             log.info(
@@ -110,6 +118,6 @@ class ModelCommands:
         else:
             try:
                 result = await asyncio.to_thread(receiver.commit)
-            except (ValueError, OSError) as exc:
+            except (ValueError, OSError, MlxppError) as exc:
                 result = PrepareResult(ok=False, error=str(exc)[:600])
             await send_reply(channel, result.model_copy(update={"rid": command.rid}))

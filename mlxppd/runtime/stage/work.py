@@ -90,3 +90,5 @@ class StageStats:
     batched_rows: int = 0
     #: sequences whose forward or sampler failed here (each failed its request alone)
     sequence_failures: int = 0
+    #: steps dropped for sequences not held here (released already, or an old pipeline's)
+    stale_steps: int = 0

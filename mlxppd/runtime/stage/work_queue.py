@@ -8,7 +8,8 @@ waiting run first, then the next chunk: the streams wait at most one chunk per s
 prompt still advances one chunk per round.
 
 Only decode steps move, and only ahead of prefill chunks: never past a release, a forget, a
-layer swap or the coordinator's loss (barriers), never ahead of their own sequence's chunks.
+layer swap or the coordinator's loss (barriers), never ahead of their own sequence's chunks
+(nor ahead of the chunk whose caches a choice sharing the prompt's prefill copies).
 A sequence's decode step cannot be queued while its prefill is (its first token is sampled
 after its last chunk), so nothing runs out of its sequence's order.
 """
@@ -77,6 +78,9 @@ class WorkQueue:
             if _is_chunk(item):
                 assert isinstance(item, ForwardWork)
                 chunked.add(item.meta.seq)
+                # A choice sharing this prefill starts from the copy this chunk makes: its
+                # first input must not run before it (it ran on no caches and drew garbage).
+                chunked.update(item.meta.forks or ())
             elif _is_step(item):
                 seq = item.meta.seq if isinstance(item, ForwardWork) else None
                 if seq not in chunked:

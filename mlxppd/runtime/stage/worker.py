@@ -14,8 +14,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
-from typing import Any
 
 from pydantic import ValidationError
 
@@ -23,6 +21,7 @@ from mlxppd.core.agent.elastic import ElasticState
 from mlxppd.core.kv_admission import StageKvManager
 from mlxppd.core.protocol.control import Command, parse_control
 from mlxppd.core.stages import StageSpec
+from mlxppd.engine.grammar_compiles import GrammarCompiles
 from mlxppd.engine.prepared_copy import ModelReceiver
 from mlxppd.engine.stage_runner import StageRunner
 from mlxppd.runtime.stage.adapter_commands import StageAdapters
@@ -61,15 +60,17 @@ class StageWorker:
         prepare_layers: PrepareLayers | None = None,
         receiver: ModelReceiver | None = None,
         missing_model: str | None = None,
-        tokenizer: Callable[[], Any] | None = None,
+        grammars: GrammarCompiles | None = None,
     ) -> None:
+        """``grammars``: the last stage's output grammars (its tokenizer, compile limit)."""
         self._state = state = StageState(spec, runner, kv, transport, mlx)
         self.compute = StageCompute(state)
         self.moves = LayerMoves(state, prepare_layers)
+        self.admission = StageAdmission(state, grammars)
         self.commands = StageCommands(
             [
                 CoordinatorLink(state),
-                StageAdmission(state, tokenizer),
+                self.admission,
                 self.moves,
                 StageReports(state, extras),
                 StageAdapters(state, self.moves),
@@ -183,6 +184,7 @@ class StageWorker:
         if self._listener is not None:
             await self._listener.close()
         await stop_tasks(*self._loops, *self._state.side_tasks)
+        self.admission.close()
         if self._state.downstream is not None:
             await self._state.downstream.close()
         if self.followers is not None:

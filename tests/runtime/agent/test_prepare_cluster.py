@@ -7,29 +7,24 @@ repairs stage 1's one tensor; the chat then equals single-process mlx-lm."""
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
 import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from mlxppd.engine.stage_digest import stored_tensors
-from tests.support.agents import (
-    CHAT,
-    VENV_BIN,
-    AgentProcess,
-    Hosts,
-    in_host_python,
-    netns_unavailable,
-    node_tables,
-    start_agent,
-    wait_for_status,
+from tests.support.agents import netns_unavailable
+from tests.support.prepare_cluster import (
+    QUESTION,
+    Cluster,
+    cluster_text,
+    identities,
+    prepare_cluster,
+    prepare_of,
 )
+from tests.support.prepared_copies import CHANGED, one_tensor_changed
 
 pytestmark = pytest.mark.slow
 
@@ -39,103 +34,12 @@ if _WHY is not None:
         f"three-host prepare tests need network namespaces: {_WHY}", allow_module_level=True
     )
 
-QUESTION = "What is the capital of France?"
-HTTP_PORT = 8080
-CHANGED = "model.layers.20.mlp.down_proj.scales"  # stage 1's layers (15-29)
-
-
-def cluster_text(hosts: Hosts, secret: Path, auto_prepare: bool) -> str:
-    a0, a1, a2 = hosts.addresses
-    head = (
-        f'[cluster]\nname = "prepare-test"\npipeline_parallel_size = 2\n'
-        f'secret_file = "{secret}"\nauto_prepare = {str(auto_prepare).lower()}\n\n'
-    )
-    return head + node_tables(f"{a0}:19000", f"{a1}:19001", f"{a2}:19001")
-
-
-def one_tensor_changed(source: Path, target: Path) -> None:
-    import mlx.core as mx
-
-    shutil.copytree(source, target)
-    weights = mx.load(str(target / "model.safetensors"))
-    assert isinstance(weights, dict)
-    weights[CHANGED] = weights[CHANGED] * 1.5
-    mx.save_safetensors(str(target / "model.safetensors"), weights, {"format": "mlx"})
-
-
-class Cluster:
-    def __init__(self, hosts: Hosts, root: Path, env: list[dict[str, str]]) -> None:
-        self.hosts, self.root, self.env = hosts, root, env
-        self.agents: list[AgentProcess] = []
-        self.url = f"http://{hosts.addresses[0]}:{HTTP_PORT}"
-
-    def config_dir(self, i: int) -> Path:
-        return self.root / f"host{i}" / "etc"
-
-    def start(self, i: int) -> AgentProcess:
-        agent = start_agent(self.hosts, i, self.config_dir(i), self.env[i])
-        self.agents = [a for a in self.agents if a.host != i] + [agent]
-        return agent
-
-    def agent(self, i: int) -> AgentProcess:
-        return next(a for a in self.agents if a.host == i)
-
-    def write_cluster(self, text: str) -> None:
-        for i in range(3):
-            tmp = self.config_dir(i) / "cluster.toml.tmp"
-            tmp.write_text(text)
-            os.replace(tmp, self.config_dir(i) / "cluster.toml")
-
-    def ctl(self, *args: str) -> list[str]:
-        return [
-            "ip", "netns", "exec", self.hosts.names[0], str(VENV_BIN / "mlxppctl"), *args,
-            "--config-dir", str(self.config_dir(0)),
-        ]  # fmt: skip
-
-    def status(self) -> dict[str, Any]:
-        done = subprocess.run(self.ctl("status", "--json"), capture_output=True, text=True)
-        assert done.returncode in (0, 1, 3), done.stderr
-        if done.returncode == 3:  # the coordinator's agent is (re)starting
-            return {}
-        document: dict[str, Any] = json.loads(done.stdout)
-        return document
-
-    def wait_status(self, predicate: Any, timeout: float = 180) -> dict[str, Any]:
-        def logs() -> str:
-            return "\n".join(a.log()[-3000:] for a in self.agents)
-
-        return wait_for_status(self.status, lambda d: bool(d) and predicate(d), timeout, logs)
-
-    def get(self, path: str) -> dict[str, Any]:
-        code = (
-            "import json, sys, httpx\nr = httpx.get(sys.argv[1], timeout=30)\n"
-            "print(json.dumps({'status': r.status_code, 'body': r.json()}))"
-        )
-        result: dict[str, Any] = in_host_python(self.hosts, 0, code, self.url + path)
-        return result
-
-    def chat(self) -> dict[str, Any]:
-        result: dict[str, Any] = in_host_python(self.hosts, 0, CHAT, self.url, QUESTION, "16")
-        return result
-
-
-def identities(document: dict[str, Any]) -> list[str | None]:
-    return [(s.get("identity") or {}).get("state") for s in document.get("stages", [])]
-
-
-def prepare_of(document: dict[str, Any], node: str) -> dict[str, Any]:
-    job = document["coordinator"].get("prepare") or {}
-    return next((n for n in job.get("nodes", []) if n["node"] == node), {})
-
 
 @pytest.fixture(scope="module")
 def cluster(
     tmp_path_factory: pytest.TempPathFactory, embedded_model_dir: Path
 ) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("prepare")
-    secret = root / "cluster.secret"
-    secret.write_text("prepare-test-secret-0123456789abcdef\n")
-    secret.chmod(0o600)
     name = embedded_model_dir.name
     # Host 0 holds the cluster's copy; host 1 holds nothing; host 2 a copy with one change.
     models = [
@@ -144,29 +48,8 @@ def cluster(
         root / "host2" / "models" / name,
     ]
     one_tensor_changed(embedded_model_dir, models[2])
-    hosts = Hosts.create(3)
-    env = [
-        {**os.environ, "MLXPP_MODEL_CACHE": str(root / f"host{i}" / "cache"), "HF_HUB_OFFLINE": "1"}
-        for i in range(3)
-    ]
-    running = Cluster(hosts, root, env)
-    try:
-        text = cluster_text(hosts, secret, auto_prepare=False)
-        for i in range(3):
-            config_dir = running.config_dir(i)
-            config_dir.mkdir(parents=True)
-            (config_dir / "cluster.toml").write_text(text)
-            (config_dir / "mlxppd.toml").write_text(
-                f'model = "{models[i]}"\nhttp_host = "0.0.0.0"\nhttp_port = {HTTP_PORT}\n'
-                f'reconcile_interval_s = 2.0\nstate_dir = "{root / f"host{i}"}"\n'
-            )
-        for i in (1, 2, 0):
-            running.start(i)
+    with prepare_cluster(root, models) as running:
         yield running
-    finally:
-        for agent in running.agents:
-            agent.stop(timeout=30)
-        hosts.destroy()
 
 
 def test_a_stage_without_the_model_or_with_another_is_refused(cluster: Cluster) -> None:

@@ -7,6 +7,7 @@ import asyncio
 
 import numpy as np
 
+from mlxppd.runtime.backends.contract import SequenceFailed, TokenEvent
 from mlxppd.runtime.coordinator.micro_batcher import MicroBatcher
 
 
@@ -70,3 +71,87 @@ def test_a_step_is_sent_alone_only_when_no_other_group_is_in_flight() -> None:
 
     asyncio.run(run())
     assert flags == [True, False]
+
+
+async def both_in_flight(
+    batcher: MicroBatcher, sent: list[tuple[str, list[str]]]
+) -> tuple[asyncio.Future[TokenEvent], asyncio.Future[TokenEvent]]:
+    """a steps alone, b joins at the next boundary: a step of [a, b] is in flight."""
+    first = batcher.submit("a", 1, False)
+    await asyncio.sleep(0)
+    b = batcher.submit("b", 1, False)
+    gid, seqs = sent[-1]
+    batcher.on_tokens(gid, seqs, [4], None)
+    assert first.result().token == 4
+    a = batcher.submit("a", 4, False)
+    await asyncio.sleep(0)
+    assert sent[-1][1] == ["a", "b"]
+    return a, b
+
+
+def test_a_member_that_leaves_during_its_step_is_settled_when_the_step_is_answered() -> None:
+    """The coordinator frees a sequence on the stages only once no step carrying it is in
+    flight (the release overtook the step and failed its whole group)."""
+    sent: list[tuple[str, list[str]]] = []
+
+    async def send(
+        gid: str, seqs: list[str], step: int, tokens: np.ndarray, lp: bool, alone: bool
+    ) -> None:
+        sent.append((gid, seqs))
+
+    async def run() -> None:
+        batcher = MicroBatcher(2, send, 1)
+        a, b = await both_in_flight(batcher, sent)
+        gid, seqs = sent[-1]
+        settled = batcher.leave("b")  # b's client closed while the step is in flight
+        assert not settled.done() and b.cancelled()
+        batcher.on_tokens(gid, seqs, [5, 6], None)
+        assert settled.done() and a.result().token == 5
+        assert batcher.leave("b").done()  # gone now
+        batcher.submit("a", 5, False)
+        await asyncio.sleep(0)
+        assert sent[-1][1] == ["a"]
+
+    asyncio.run(run())
+
+
+def test_a_member_a_stage_could_not_run_fails_alone() -> None:
+    sent: list[tuple[str, list[str]]] = []
+
+    async def send(
+        gid: str, seqs: list[str], step: int, tokens: np.ndarray, lp: bool, alone: bool
+    ) -> None:
+        sent.append((gid, seqs))
+
+    async def run() -> None:
+        batcher = MicroBatcher(2, send, 1)
+        a, b = await both_in_flight(batcher, sent)
+        gid = sent[-1][0]
+        batcher.on_tokens(gid, ["a"], [5], None)  # the answer lacks b
+        assert a.result().token == 5
+        assert isinstance(b.exception(), SequenceFailed)
+        assert not batcher.holds("b")
+        batcher.submit("a", 5, False)
+        await asyncio.sleep(0)
+        assert sent[-1][1] == ["a"]
+
+    asyncio.run(run())
+
+
+def test_a_member_leaving_after_the_pipeline_is_lost_is_settled_at_once() -> None:
+    """Its step will never be answered: a replay must not wait for it."""
+    sent: list[tuple[str, list[str]]] = []
+
+    async def send(
+        gid: str, seqs: list[str], step: int, tokens: np.ndarray, lp: bool, alone: bool
+    ) -> None:
+        sent.append((gid, seqs))
+
+    async def run() -> None:
+        batcher = MicroBatcher(2, send, 1)
+        a, b = await both_in_flight(batcher, sent)
+        batcher.fail(RuntimeError("the pipeline is gone"))
+        assert batcher.leave("a").done() and batcher.leave("b").done()
+        assert isinstance(a.exception(), RuntimeError)
+
+    asyncio.run(run())

@@ -11,151 +11,19 @@ A request streaming through the loss ends with the tokens it would have had with
 
 from __future__ import annotations
 
-import asyncio
-import json
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from mlxppd.core.config.cluster import ClusterConfig, parse_cluster_config
-from mlxppd.core.cpu_weights import CpuWeights
-from mlxppd.core.layer_ranges import LayerRange
-from mlxppd.core.protocol.control import StageExtras
 from mlxppd.core.serving_state import ServingState
-from mlxppd.core.stages import StageSpec
-from mlxppd.runtime.backends.contract import BackendUnavailable, SamplingParams
+from mlxppd.runtime.backends.contract import BackendUnavailable
 from mlxppd.runtime.coordinator.coordinator import Coordinator
-from mlxppd.runtime.local_cluster import free_port
-from mlxppd.runtime.node_start import (
-    CoordinatorSetup,
-    StageSetup,
-    start_pipeline_coordinator,
-    start_stage_worker,
-)
-from mlxppd.runtime.stage.worker import StageWorker
-from mlxppd.runtime.system.mlx_thread import MlxThread
 from tests.conftest import TINY_LLAMA
-from tests.support.wire import CLUSTER, SECRET, run
+from tests.support.recovery_cluster import SPLIT, cluster_of, tokens, wait_serving
+from tests.support.wire import run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
-
-PROMPT = [1, 17, 33, 9, 120, 5]
-TOKENS = 24
-SPLIT = (StageSpec(0, 2, 0, 3), StageSpec(1, 2, 3, 6))
-PLAN = (LayerRange(0, 3), LayerRange(3, 6))
-
-TOML = """\
-[cluster]
-name = "{name}"
-pipeline_parallel_size = 2
-
-[cluster.failover]
-heartbeat_interval_s = 0.2
-heartbeat_timeout_s = 1.0
-reconnect_grace_s = {grace}
-recovery_timeout_s = 60.0
-
-[[nodes]]
-id = "coordinator"
-address = "127.0.0.1:1"
-role = "coordinator"
-
-[[nodes]]
-id = "stage-0"
-address = "127.0.0.1:{ports[0]}"
-role = "pipeline_stage"
-stage = 0
-
-[[nodes]]
-id = "stage-1"
-address = "127.0.0.1:{ports[1]}"
-role = "pipeline_stage"
-stage = 1
-"""
-STANDBY = """
-[[nodes]]
-id = "standby-0"
-address = "127.0.0.1:{ports[2]}"
-role = "standby"
-"""
-
-
-@dataclass
-class Cluster:
-    """Stage workers of one test, each started (and restarted) on its node's port."""
-
-    model: Path
-    mlx: MlxThread
-    cluster: ClusterConfig
-    #: bytes each node reports it may hold (None: no limit), which the survivors' plan reads
-    budgets: dict[str, int | None] = field(default_factory=dict)
-    workers: dict[str, StageWorker] = field(default_factory=dict)
-
-    async def start(self, node_id: str, spec: StageSpec) -> StageWorker:
-        node = next(n for n in self.cluster.nodes if n.id == node_id)
-        setup = StageSetup(
-            cluster=self.cluster, node_id=node_id, secret=SECRET, model_dir=self.model,
-            model_config=json.loads((self.model / "config.json").read_text()), spec=spec,
-            host="127.0.0.1", port=node.port, transport="tcp", kv_budget_bytes=None,
-            max_sequences=8, cpu_weights=CpuWeights.AUTO,
-        )  # fmt: skip
-        budget = self.budgets.get(node_id)
-        extras = lambda: StageExtras(node_id=node_id, memory_budget_bytes=budget)  # noqa: E731
-        worker, _ = await start_stage_worker(setup, self.mlx, extras)
-        self.workers[node_id] = worker
-        return worker
-
-    async def kill(self, node_id: str) -> None:
-        await self.workers.pop(node_id).close()
-
-    async def close(self) -> None:
-        for worker in self.workers.values():
-            await worker.close()
-
-
-@asynccontextmanager
-async def cluster_of(
-    model: Path, *, standby: bool, grace: float = 1.0, budgets: dict[str, int | None] | None = None
-) -> AsyncIterator[tuple[Cluster, Coordinator]]:
-    """Both stages (and the standby) up, a coordinator with failover over them."""
-    ports = [free_port() for _ in range(3)]
-    text = TOML.format(name=CLUSTER, ports=ports, grace=grace) + (
-        STANDBY.format(ports=ports) if standby else ""
-    )
-    mlx = MlxThread("recovery-mlx")
-    nodes = Cluster(model, mlx, parse_cluster_config(text, "test.toml"), dict(budgets or {}))
-    try:
-        for spec in SPLIT:
-            await nodes.start(f"stage-{spec.index}", spec)
-        if standby:
-            await nodes.start("standby-0", StageSpec.standby(2))
-        setup = CoordinatorSetup(
-            cluster=nodes.cluster, node_id="coordinator", secret=SECRET, transport="tcp",
-            plan=PLAN, micro_batch_size=1, parallel=4, warmup=False, align=False,
-            model_config=json.loads((model / "config.json").read_text()), model_dir=model,
-        )  # fmt: skip
-        coordinator = await start_pipeline_coordinator(setup, None, "tiny", None)
-        try:
-            yield nodes, coordinator
-        finally:
-            await coordinator.close()
-    finally:
-        await nodes.close()
-        mlx.close()
-
-
-async def tokens(coordinator: Coordinator, name: str, on_token: int = -1,
-                 lose: Callable[[], object] | None = None) -> list[int]:  # fmt: skip
-    """A greedy request's tokens; after token ``on_token``, ``lose()`` runs (a stage lost)."""
-    out = []
-    async for event in coordinator.generate(name, PROMPT, SamplingParams(max_tokens=TOKENS)):
-        out.append(event.token)
-        if len(out) == on_token and lose is not None:
-            await lose()  # type: ignore[misc]
-    return out
 
 
 async def lost_under_a_stream(
@@ -167,19 +35,15 @@ async def lost_under_a_stream(
     return reference, replayed
 
 
-async def wait_serving(coordinator: Coordinator, timeout: float = 60.0) -> None:
-    async with asyncio.timeout(timeout):
-        while coordinator.serving.state is not ServingState.SERVING:
-            await asyncio.sleep(0.05)
-
-
 def test_the_lost_node_itself_comes_first_even_with_a_standby_idle(
     tiny_model: Callable[..., Path],
 ) -> None:
     model = tiny_model("recovery-llama", TINY_LLAMA)
 
     async def scenario() -> tuple[list[int], list[int], str, list[str]]:
-        async with cluster_of(model, standby=True, grace=20.0) as (nodes, coordinator):
+        async with cluster_of(model, standbys=1, failover={"reconnect_grace_s": 20.0}) as (
+            nodes, coordinator,
+        ):  # fmt: skip
 
             async def restart() -> None:
                 await nodes.kill("stage-1")
@@ -205,7 +69,7 @@ def test_a_standby_takes_the_lost_layers_before_the_survivors_share_them(
     model = tiny_model("recovery-llama", TINY_LLAMA)
 
     async def scenario() -> tuple[list[int], list[int], str, str, list[tuple[int, int]]]:
-        async with cluster_of(model, standby=True) as (nodes, coordinator):
+        async with cluster_of(model, standbys=1) as (nodes, coordinator):
             reference, replayed = await lost_under_a_stream(
                 coordinator, lambda: nodes.kill("stage-1")
             )
@@ -225,7 +89,7 @@ def test_without_a_standby_the_survivors_take_the_lost_layers(
     model = tiny_model("recovery-llama", TINY_LLAMA)
 
     async def scenario() -> tuple[list[int], list[int], str, list[tuple[int, int]], list[str]]:
-        async with cluster_of(model, standby=False) as (nodes, coordinator):
+        async with cluster_of(model) as (nodes, coordinator):
             reference, replayed = await lost_under_a_stream(
                 coordinator, lambda: nodes.kill("stage-0")
             )
@@ -246,7 +110,7 @@ def test_with_no_room_anywhere_the_requests_fail_until_the_lost_node_is_back(
     model = tiny_model("recovery-llama", TINY_LLAMA)
 
     async def scenario() -> tuple[str, str, str, ServingState, list[int]]:
-        async with cluster_of(model, standby=False, budgets={"stage-0": 4096}) as (
+        async with cluster_of(model, budgets={"stage-0": 4096}) as (
             nodes, coordinator,
         ):  # fmt: skip
             reference = await tokens(coordinator, "reference")

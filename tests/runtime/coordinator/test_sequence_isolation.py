@@ -13,63 +13,22 @@ import pytest
 
 from mlxppd.core.config.cluster import parse_cluster_config
 from mlxppd.core.layer_ranges import LayerRange
-from mlxppd.core.protocol.control import Ack, Admit, AdmitReply, Configure, Release
-from mlxppd.core.protocol.pipeline import SequenceFailure, TokenMeta
+from mlxppd.core.protocol.control import Ack, Configure, Release
+from mlxppd.core.protocol.pipeline import SequenceFailure
 from mlxppd.core.stages import StageSpec
 from mlxppd.engine.tokenizer import load_tokenizer
 from mlxppd.runtime.backends.contract import SamplingParams, SequenceFailed
-from mlxppd.runtime.coordinator.control_client import ControlClient
 from mlxppd.runtime.node_start import CoordinatorSetup, start_pipeline_coordinator
 from mlxppd.runtime.system.mlx_thread import MlxThread
 from mlxppd.wire.backends import create_transport
-from mlxppd.wire.channel import SecureChannel
-from mlxppd.wire.codec import Message, MessageKind
+from mlxppd.wire.codec import MessageKind
 from tests.support.pipelines import CLUSTER_TOML, stage_worker
+from tests.support.stage_peer import PROMPT, Peer
 from tests.support.wire import CLUSTER, SECRET, config, run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-PROMPT = [1, 504, 3458, 282, 4649, 30, 2]  # any ids of the vocabulary
 NUM_LAYERS = 30
-
-
-class Peer:
-    """The coordinator's side of one stage: control requests, plus the data messages."""
-
-    def __init__(self, channel: SecureChannel) -> None:
-        self.channel = channel
-        self.control = ControlClient(channel, timeout_s=60)
-        self.data: asyncio.Queue[Message] = asyncio.Queue()
-        self.reader = asyncio.create_task(self._read())
-
-    async def _read(self) -> None:
-        async for message in self.channel:
-            if message.kind is MessageKind.REPLY:
-                self.control.deliver(message)
-            else:
-                self.data.put_nowait(message)
-
-    async def admit(self, seq: str) -> None:
-        for commit in (False, True):
-            command = Admit(seq=seq, prompt_tokens=len(PROMPT), max_tokens=4, commit=commit)
-            assert (await self.control.ask(command, AdmitReply)).ok
-
-    async def send(self, seq: str, step: int, tensor: Any) -> None:
-        meta = {"seq": seq, "step": step, "sample": True, "logprobs": False}
-        await self.channel.send(MessageKind.ACTIVATION, meta, tensor)
-
-    async def greedy(self, seq: str, steps: int) -> list[int]:
-        """Prefill ``PROMPT``, then decode: the tokens the stage samples for ``seq``."""
-        tokens: list[int] = []
-        await self.send(seq, 0, np.asarray([PROMPT], dtype=np.int32))
-        for step in range(steps):
-            message = await self.data.get()
-            assert message.kind is MessageKind.TOKENS, message.meta
-            assert TokenMeta.model_validate(dict(message.meta)).seq == seq
-            tokens.append(int(np.frombuffer(message.tensor.data, dtype=np.int32)[0]))
-            if step + 1 < steps:
-                await self.send(seq, step + 1, np.asarray([[tokens[-1]]], dtype=np.int32))
-        return tokens
 
 
 def test_a_sequence_whose_forward_raises_fails_alone(embedded_model_dir: Path) -> None:

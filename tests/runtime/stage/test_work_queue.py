@@ -84,3 +84,16 @@ def test_a_sequences_last_prompt_token_never_overtakes_its_own_chunks() -> None:
     for item in (chunk("p", 0), chunk("p", 1), last("p", 2), chunk("q", 0), last("q", 1)):
         queue.put_nowait(item)
     assert drain(queue) == ["p:0", "p:1", "p:2", "q:0", "q:1"]
+
+
+def test_a_choice_sharing_a_prefill_never_runs_before_the_chunk_it_copies() -> None:
+    """The follower's last prompt token is sampled like a decode step, but its caches are the
+    copy the leader's last chunk makes: run first, it drew from no context at all (under load
+    every other choice of an ``n`` > 1 request started with a stray token)."""
+    queue = WorkQueue()
+    final = ForwardWork(ForwardMeta(seq="lead", step=1, sample=False, forks=["f1"]), None)
+    for item in (chunk("lead", 0), final, last("f1", 0), group("g0", 0)):
+        queue.put_nowait(item)
+    taken = drain(queue)
+    assert taken.index("lead:1") < taken.index("f1:0")
+    assert taken.index("g0:0") < taken.index("lead:1")  # other decode steps still go ahead
