@@ -73,6 +73,18 @@ def test_a_step_is_sent_alone_only_when_no_other_group_is_in_flight() -> None:
     assert flags == [True, False]
 
 
+def recorded() -> tuple[MicroBatcher, list[tuple[str, list[str]]]]:
+    """A batcher of groups of 2 on one stage, and the (group, members) of each step it sends."""
+    sent: list[tuple[str, list[str]]] = []
+
+    async def send(
+        gid: str, seqs: list[str], step: int, tokens: np.ndarray, lp: bool, alone: bool
+    ) -> None:
+        sent.append((gid, seqs))
+
+    return MicroBatcher(2, send, 1), sent
+
+
 async def both_in_flight(
     batcher: MicroBatcher, sent: list[tuple[str, list[str]]]
 ) -> tuple[asyncio.Future[TokenEvent], asyncio.Future[TokenEvent]]:
@@ -92,15 +104,9 @@ async def both_in_flight(
 def test_a_member_that_leaves_during_its_step_is_settled_when_the_step_is_answered() -> None:
     """The coordinator frees a sequence on the stages only once no step carrying it is in
     flight (the release overtook the step and failed its whole group)."""
-    sent: list[tuple[str, list[str]]] = []
-
-    async def send(
-        gid: str, seqs: list[str], step: int, tokens: np.ndarray, lp: bool, alone: bool
-    ) -> None:
-        sent.append((gid, seqs))
 
     async def run() -> None:
-        batcher = MicroBatcher(2, send, 1)
+        batcher, sent = recorded()
         a, b = await both_in_flight(batcher, sent)
         gid, seqs = sent[-1]
         settled = batcher.leave("b")  # b's client closed while the step is in flight
@@ -116,15 +122,8 @@ def test_a_member_that_leaves_during_its_step_is_settled_when_the_step_is_answer
 
 
 def test_a_member_a_stage_could_not_run_fails_alone() -> None:
-    sent: list[tuple[str, list[str]]] = []
-
-    async def send(
-        gid: str, seqs: list[str], step: int, tokens: np.ndarray, lp: bool, alone: bool
-    ) -> None:
-        sent.append((gid, seqs))
-
     async def run() -> None:
-        batcher = MicroBatcher(2, send, 1)
+        batcher, sent = recorded()
         a, b = await both_in_flight(batcher, sent)
         gid = sent[-1][0]
         batcher.on_tokens(gid, ["a"], [5], None)  # the answer lacks b
@@ -140,15 +139,9 @@ def test_a_member_a_stage_could_not_run_fails_alone() -> None:
 
 def test_a_member_leaving_after_the_pipeline_is_lost_is_settled_at_once() -> None:
     """Its step will never be answered: a replay must not wait for it."""
-    sent: list[tuple[str, list[str]]] = []
-
-    async def send(
-        gid: str, seqs: list[str], step: int, tokens: np.ndarray, lp: bool, alone: bool
-    ) -> None:
-        sent.append((gid, seqs))
 
     async def run() -> None:
-        batcher = MicroBatcher(2, send, 1)
+        batcher, sent = recorded()
         a, b = await both_in_flight(batcher, sent)
         batcher.fail(RuntimeError("the pipeline is gone"))
         assert batcher.leave("a").done() and batcher.leave("b").done()
