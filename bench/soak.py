@@ -208,6 +208,20 @@ class Job:
         return n if isinstance(n, int) else 1
 
 
+def mlx_allocator(url: str) -> list[tuple[str, tuple[float, float]]]:
+    """(stage, (active bytes, cache bytes)) from the coordinator's /metrics; [] if unread."""
+    try:
+        with httpx.Client(timeout=10) as http:
+            text = http.get(f"{url}/metrics").text
+    except httpx.HTTPError:
+        return []
+    found: dict[str, list[float]] = {}
+    pattern = r'^mlxpp_stage_mlx_(active|cache)_bytes\{stage="(\d+)"\} (\S+)$'
+    for kind, stage, value in re.findall(pattern, text, re.M):
+        found.setdefault(stage, [0.0, 0.0])[kind == "cache"] = float(value)
+    return [(s, (v[0], v[1])) for s, v in sorted(found.items())]
+
+
 def job_table(args: argparse.Namespace) -> dict[str, Job]:
     def body(prompt: str, max_tokens: int, **more: object) -> dict[str, object]:
         return {
@@ -1509,6 +1523,7 @@ def main(argv: list[str] | None = None) -> int:
             print("soak: the cluster is not healthy 120 s after the load", file=sys.stderr)
         after, problems, _ = references(url, jobs, args)
         stop.set()
+        allocator = mlx_allocator(url)
         diffs = [f"{k}: {after.get(k)!r} != {v!r}" for k, v in refs.items() if after.get(k) != v]
         refs_ok = not diffs and not problems
         refs_note = "" if refs_ok else "; ".join(problems + diffs)[:600]
@@ -1524,6 +1539,12 @@ def main(argv: list[str] | None = None) -> int:
             args, load_end - started, tally, chaos, procs, log_text, base_s, (refs_ok, refs_note)
         )
         criteria.append(Criterion("clean exit", exit_clean, exit_how))
+        print(
+            "\nmlx's allocator per stage after the load (MiB; the cache is capped and given back "
+            "when a stage is idle: mlxppd/engine/mlx_memory.py)\n\n| stage | active | cache |"
+            "\n|---|---:|---:|\n"
+            + "\n".join(f"| {s} | {a / 2**20:.0f} | {c / 2**20:.0f} |" for s, (a, c) in allocator)
+        )
         print()
         for cr in criteria:
             print(f"{'PASS' if cr.ok else 'FAIL'} {cr.name}: {cr.detail}")

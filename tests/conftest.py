@@ -61,6 +61,7 @@ SLOW_MODULES = (
     "test_prompt_cache_moves.py",
     "test_grammar_admission.py",
     "test_micro_batch_members.py",
+    "test_coordinator_takeover.py",
 )
 
 

@@ -41,6 +41,11 @@ def _mergeable(caches: list[Any]) -> bool:
     return all(callable(getattr(type(c), "merge", None)) for c in caches)
 
 
+class EntryMissing(ValueError):
+    """A prompt-cache entry a step starts from is not here (not kept, or gone with a
+    repartition): the coordinator prefills that sequence again from its first token."""
+
+
 class StageRunner:
     def __init__(self, stage: LoadedStage):
         self.stage = stage
@@ -240,7 +245,7 @@ class StageRunner:
         """``seq`` starts from a copy of ``entry``'s caches cut to their first ``tokens``."""
         kept = self._entries.get(entry)
         if kept is None:
-            raise ValueError(f"prompt-cache entry {entry} is not held here")
+            raise EntryMissing(f"prompt-cache entry {entry} is not held here")
         caches, held = copy.deepcopy(kept[0]), kept[1]
         if held > tokens and not (
             can_trim_prompt_cache(caches)

@@ -7,11 +7,13 @@ module-level code in the importer, and ties one test file's contents to another'
 trimming one test file breaks an unrelated one.
 
 Every folder under tests/ mirrors a package of mlxppd/ (``tests/runtime/stage/`` holds the
-tests of ``mlxppd/runtime/stage/``), except these three, which test no one package:
+tests of ``mlxppd/runtime/stage/``), except these four, which test no one package:
 
 - ``tests/support/``: the helpers, fixtures' builders and tiny cases the tests share;
 - ``tests/adversarial/``: attacks on the running server across the layers (HTTP floods, a
   stage port under a connection flood), as an attacker sees them;
+- ``tests/clients/``: the real client packages (SDKs, frameworks) against a live cluster, as
+  their users drive it;
 - ``tests/project/``: checks of the repository itself (docs, import graph, code shape, this
   layout).
 """
@@ -27,7 +29,7 @@ from tests.support.paths import REPO_ROOT
 TESTS = REPO_ROOT / "tests"
 PACKAGE = REPO_ROOT / "mlxppd"
 #: folders directly under tests/ that mirror no package (see the module docstring)
-NOT_MIRRORED = {"support", "adversarial", "project"}
+NOT_MIRRORED = {"support", "adversarial", "clients", "project"}
 #: an import statement inside a string (code a test runs in a child ``python -c``)
 CODE_IMPORT = re.compile(r"^\s*(?:from\s+([\w.]+)\s+import\s+([\w, ]+)|import\s+([\w.]+))", re.M)
 

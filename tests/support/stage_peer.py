@@ -4,15 +4,22 @@ control requests and replies, plus the data messages the stage sends back."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from mlxppd.core.protocol.control import Admit, AdmitReply
+from mlxppd.core.protocol.control import Ack, Admit, AdmitReply, Configure
 from mlxppd.core.protocol.pipeline import TokenMeta
+from mlxppd.core.stages import StageSpec
 from mlxppd.runtime.coordinator.control_client import ControlClient
+from mlxppd.runtime.stage.worker import StageWorker
+from mlxppd.runtime.system.mlx_thread import MlxThread
+from mlxppd.wire.backends import create_transport
 from mlxppd.wire.channel import SecureChannel
 from mlxppd.wire.codec import Message, MessageKind
+from tests.support.pipelines import stage_worker
+from tests.support.wire import config
 
 PROMPT = [1, 504, 3458, 282, 4649, 30, 2]  # any ids of the vocabulary
 
@@ -72,3 +79,22 @@ class Peer:
         await self.channel.close()
         self.reader.cancel()
         await asyncio.gather(self.reader, return_exceptions=True)
+
+
+async def connect(worker: StageWorker) -> Peer:
+    """A coordinator's channel to a started worker, configured (the last stage: no next hop)."""
+    assert worker.address is not None
+    host, port = worker.address
+    channel = await create_transport("tcp", config("coordinator")).connect(
+        host, port, expected_peer="stage-0"
+    )
+    peer = Peer(channel)
+    assert (await peer.control.ask(Configure(), Ack)).ok
+    return peer
+
+
+async def connected(model: Path, mlx: MlxThread, num_layers: int) -> tuple[StageWorker, Peer]:
+    """One stage worker serving every layer of ``model``, and a coordinator's peer on it."""
+    worker = await stage_worker(model, mlx, StageSpec(0, 1, 0, num_layers))
+    await worker.start("127.0.0.1", 0)
+    return worker, await connect(worker)

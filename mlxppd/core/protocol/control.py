@@ -457,6 +457,14 @@ class SlotReport(StrictModel):
     kv_budget_bytes: Count = Field(description="UNLIMITED_BYTES when none is configured")
 
 
+class MlxMemory(StrictModel):
+    """mlx's allocator on a stage process: what arrays hold, and what it keeps for reuse."""
+
+    active_bytes: Count = Field(description="bytes held by live arrays")
+    cache_bytes: Count = Field(description="freed bytes kept for reuse (not given back to the OS)")
+    peak_bytes: Count = Field(description="the most active bytes since the process started")
+
+
 class StageReport(StageExtras):
     """A stage's status reply: what it holds, how busy it was, its counters and clock."""
 
@@ -489,6 +497,7 @@ class StageReport(StageExtras):
         description="a tensor-parallel stage's (stage, rank) slots, rank order; empty for a "
         "stage of one rank",
     )
+    memory: MlxMemory | None = Field(default=None, description="absent from older stages")
 
     def activity(self) -> dict[str, float]:
         """The cumulative seconds ``core.stage_accounting.fractions`` compares."""

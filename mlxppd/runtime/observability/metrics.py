@@ -176,6 +176,16 @@ class _StageCollector(Collector):
         )
         kv_used = GaugeMetricFamily("mlxpp_kv_used_bytes", "KV bytes reserved", labels=["stage"])
         kv_budget = GaugeMetricFamily("mlxpp_kv_budget_bytes", "KV byte budget", labels=["stage"])
+        mlx_active = GaugeMetricFamily(
+            "mlxpp_stage_mlx_active_bytes",
+            "Bytes held by a stage's live mlx arrays",
+            labels=["stage"],
+        )
+        mlx_cache = GaugeMetricFamily(
+            "mlxpp_stage_mlx_cache_bytes",
+            "Freed bytes a stage's mlx allocator keeps for reuse",
+            labels=["stage"],
+        )
         latency = HistogramMetricFamily(
             "mlxpp_pp_activation_latency_seconds",
             "Activation hand-off latency from one stage to the next",
@@ -195,6 +205,9 @@ class _StageCollector(Collector):
             active_s.add_metric(label, s.active_s)
             kv_used.add_metric(label, float(s.kv_used_bytes))
             kv_budget.add_metric(label, float(s.kv_budget_bytes))
+            if s.memory is not None:
+                mlx_active.add_metric(label, float(s.memory.active_bytes))
+                mlx_cache.add_metric(label, float(s.memory.cache_bytes))
             hist = s.activation_latency
             if s.stage > 0 and hist.counts:
                 pair = [str(s.stage - 1), str(s.stage)]
@@ -209,6 +222,7 @@ class _StageCollector(Collector):
         )
         mean.add_metric([], sum(s.bubble_fraction for s in stages) / len(stages) if stages else 0)
         yield from (busy, bubble, mean, busy_s, active_s, kv_used, kv_budget, latency, latency_max)
+        yield from (mlx_active, mlx_cache)
         yield from _slots(stages)
 
         queue = GaugeMetricFamily("mlxpp_queue_depth", "Requests waiting for a free slot")

@@ -27,7 +27,7 @@ from mlxppd.core.protocol.pipeline import (
     TokenMeta,
 )
 from mlxppd.engine.sampling import Sampled
-from mlxppd.engine.stage_runner import RowFailed
+from mlxppd.engine.stage_runner import EntryMissing, RowFailed, StageRunner
 from mlxppd.engine.stage_threads import StageThreads
 from mlxppd.engine.tp_mirror import MirroredRunner
 from mlxppd.engine.wire_tensors import from_wire, to_wire
@@ -48,6 +48,13 @@ from mlxppd.wire.errors import ChannelClosedError
 log = logging.getLogger("mlxppd.stage")
 
 
+def _free(runner: StageRunner, held: ReleaseAllWork) -> None:
+    for seq in held.seqs:
+        runner.release(seq)
+    for entry in held.entries:
+        runner.forget(entry)
+
+
 class StageCompute:
     """The compute loop and the sender task of one stage."""
 
@@ -58,6 +65,8 @@ class StageCompute:
         self._failed: set[str] = set()
         self._threads = StageThreads()
         self._stale_log = LogThrottle(30.0)
+        #: work items the compute loop finished (an idle stage's give-back checks it moved not)
+        self._done = 0
 
     async def accept_activation(self, message: Message) -> None:
         """Queue an input for the compute loop: one sequence's, or a micro-batch's."""
@@ -97,15 +106,29 @@ class StageCompute:
                     if s.runner is not None:
                         await s.mlx.run(functools.partial(s.runner.forget, entry))
             elif isinstance(item, ReleaseAllWork):
-                self._failed.clear()
-                s.kv.clear()
-                s.clock.set_active(0, time.monotonic())
+                # The accounting went when the coordinator did (StageState.release_accounting);
+                # a new one's admissions since then stay.
+                self._failed.difference_update(item.seqs)
                 if s.runner is not None:
-                    await s.mlx.run(s.runner.release_all)
+                    await s.mlx.run(functools.partial(_free, s.runner, item))
             elif isinstance(item, SwapWork):
                 s.spec, s.runner, s.kv = item.spec, item.runner, item.kv
                 s.clock.set_active(len(item.kv.reserved), time.monotonic())
                 item.done.set_result(None)
+            self._done += 1
+            if isinstance(item, ReleaseWork | ReleaseAllWork | ForgetWork) and self._idle():
+                s.side_tasks.spawn(self._give_back(self._done), name="stage-cache-give-back")
+
+    def _idle(self) -> bool:
+        """No sequence held and nothing queued."""
+        return not self._state.kv.reserved and self._state.work.qsize() == 0
+
+    async def _give_back(self, done: int) -> None:
+        """mlx's cache back to the OS once the stage stayed idle a moment (not between two
+        back-to-back requests: the next prefill would fault its buffers in again)."""
+        await asyncio.sleep(self._state.cache.idle_after_s)
+        if self._done == done and self._idle():
+            await self._state.mlx.run(self._state.cache.idle)
 
     def _computed(self, started: float, start_us: float, rows: int) -> None:
         elapsed = time.monotonic() - started
@@ -192,7 +215,9 @@ class StageCompute:
         self._check_ring()
         index = self._state.spec.index
         self._state.stats.sequence_failures += 1
-        log.error("stage %d: sequence %s failed: %s", index, escape(seq), exc)
+        # A missed prompt-cache entry costs a prefill, not a request (sequence_runner.py).
+        level = logging.INFO if isinstance(exc, EntryMissing) else logging.ERROR
+        log.log(level, "stage %d: sequence %s failed: %s", index, escape(seq), exc)
         self._failed.add(seq)
         await self._release_here(seq)
         failure = SequenceFailure(seq=seq, stage=index, message=clip(str(exc), 1000))

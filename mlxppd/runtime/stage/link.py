@@ -11,7 +11,6 @@ import asyncio
 
 from mlxppd.core.protocol.control import Ack, Configure, Heartbeat, clip
 from mlxppd.runtime.stage.state import StageState, send_reply
-from mlxppd.runtime.stage.work import ReleaseAllWork
 from mlxppd.wire.channel import SecureChannel
 from mlxppd.wire.codec import MessageKind, Tensor
 from mlxppd.wire.errors import ChannelClosedError
@@ -34,8 +33,7 @@ class CoordinatorLink:
         if first and s.coordinator is not None:
             # Another coordinator (or this one, reconnected after a failover) takes over:
             # nobody will release what the previous one admitted here.
-            s.release_accounting()
-            await s.work.put(ReleaseAllWork())
+            await s.work.put(s.release_accounting())
         s.coordinator = channel
         s.trace.enabled = command.trace
         s.heartbeat_timeout_s = command.heartbeat_timeout_s

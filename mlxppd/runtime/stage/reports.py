@@ -23,6 +23,7 @@ from mlxppd.core.protocol.control import (
     clip,
 )
 from mlxppd.engine.blas import blas_in_use
+from mlxppd.engine.mlx_memory import memory_now
 from mlxppd.engine.tp_mirror import MirroredRunner
 from mlxppd.runtime.stage.state import StageState, send_reply
 from mlxppd.runtime.stage.work import ExtrasSource
@@ -87,6 +88,7 @@ class StageReports:
             elastic_state=s.elastic_state.value,
             now=time.time(),
             slots=self._slots(),
+            memory=memory_now(),
         )
 
     def _slots(self) -> list[SlotReport]:

@@ -18,9 +18,10 @@ from mlxppd.core.kv_admission import StageKvManager
 from mlxppd.core.stage_accounting import ActivityClock, LatencyHistogram
 from mlxppd.core.stages import StageSpec
 from mlxppd.core.strict import StrictModel
+from mlxppd.engine.mlx_memory import CacheKeeper
 from mlxppd.engine.stage_runner import StageRunner
 from mlxppd.runtime.observability.trace import TraceBuffer
-from mlxppd.runtime.stage.work import StageStats
+from mlxppd.runtime.stage.work import ReleaseAllWork, StageStats
 from mlxppd.runtime.stage.work_queue import WorkQueue
 from mlxppd.runtime.system.mlx_thread import MlxThread
 from mlxppd.wire.channel import SecureChannel
@@ -61,6 +62,8 @@ class StageState:
         self.trace = TraceBuffer(pid=f"stage-{spec.index}", enabled=False)
         # Arrival order, but a decode step runs before the next prefill chunk (work_queue.py).
         self.work = WorkQueue()
+        # mlx's buffer cache: capped, and given back whenever the stage goes idle.
+        self.cache = CacheKeeper()
         #: where activations go (the next stage, or the coordinator's channel on the last)
         self.downstream: SecureChannel | None = None
         #: the channel of the coordinator that configured this stage (None: none now)
@@ -80,10 +83,13 @@ class StageState:
         #: again until its ranks start again together (the node's owner restarts it)
         self.ring_lost = asyncio.Event()
 
-    def release_accounting(self) -> None:
-        """Free every sequence's KV budget at once (the coordinator that held them is gone)."""
+    def release_accounting(self) -> ReleaseAllWork:
+        """Free every sequence's KV budget at once (the coordinator that held them is gone);
+        the work that frees their caches, in order on the compute loop."""
+        held = ReleaseAllWork(tuple(self.kv.reserved), tuple(self.kv.pinned))
         self.kv.clear()  # the prompt-cache entries were the coordinator's too
         self.clock.set_active(0, time.monotonic())
+        return held
 
     def layers(self) -> StageRunner:
         """The runner serving now; a standby's refusal when there is none."""

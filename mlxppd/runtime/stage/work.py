@@ -53,7 +53,11 @@ class ForgetWork:
 
 @dataclass(frozen=True, slots=True)
 class ReleaseAllWork:
-    """The coordinator is gone: nobody will release its sequences."""
+    """The coordinator is gone: nobody will release its sequences or forget its entries.
+    Named, not "everything": a new coordinator's admissions may already be held here."""
+
+    seqs: tuple[str, ...] = ()
+    entries: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

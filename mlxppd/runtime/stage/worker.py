@@ -22,6 +22,7 @@ from mlxppd.core.kv_admission import StageKvManager
 from mlxppd.core.protocol.control import Command, parse_control
 from mlxppd.core.stages import StageSpec
 from mlxppd.engine.grammar_compiles import GrammarCompiles
+from mlxppd.engine.mlx_memory import CacheKeeper
 from mlxppd.engine.prepared_copy import ModelReceiver
 from mlxppd.engine.stage_runner import StageRunner
 from mlxppd.runtime.stage.adapter_commands import StageAdapters
@@ -34,7 +35,7 @@ from mlxppd.runtime.stage.model_commands import ModelCommands
 from mlxppd.runtime.stage.reports import StageReports
 from mlxppd.runtime.stage.state import ProtocolViolation, StageState
 from mlxppd.runtime.stage.tp_links import FollowerLinks
-from mlxppd.runtime.stage.work import ExtrasSource, PrepareLayers, ReleaseAllWork, StageStats
+from mlxppd.runtime.stage.work import ExtrasSource, PrepareLayers, StageStats
 from mlxppd.runtime.system.mlx_thread import MlxThread
 from mlxppd.wire.channel import SecureChannel
 from mlxppd.wire.codec import Message, MessageKind, Tensor
@@ -101,6 +102,11 @@ class StageWorker:
         return self._state.stats
 
     @property
+    def cache(self) -> CacheKeeper:
+        """mlx's buffer cache on this process: its cap, and when it goes back."""
+        return self._state.cache
+
+    @property
     def admitting(self) -> bool:
         return self._state.admitting
 
@@ -136,6 +142,7 @@ class StageWorker:
     # -- life ----------------------------------------------------------------------------------
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
+        await self._state.mlx.run(self._state.cache.start)
         self._loops = [
             spawn(
                 self.compute.compute_loop(), name=f"stage{self.spec.index}-compute", forever=True
@@ -214,8 +221,7 @@ class StageWorker:
                 # frees at once (a new coordinator's admissions and layer moves see it empty);
                 # the caches go in order on the compute loop.
                 self._state.coordinator = None
-                self._state.release_accounting()
-                await self._state.work.put(ReleaseAllWork())
+                await self._state.work.put(self._state.release_accounting())
 
     async def _receive(self, channel: SecureChannel) -> Message | None:
         """The next message; None when the peer said goodbye, or when it is the coordinator

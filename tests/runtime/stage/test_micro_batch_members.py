@@ -11,16 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mlxppd.core.protocol.control import Ack, Configure, Release
+from mlxppd.core.protocol.control import Release
 from mlxppd.core.protocol.pipeline import BatchTokenMeta, SequenceFailure
-from mlxppd.core.stages import StageSpec
-from mlxppd.runtime.stage.worker import StageWorker
 from mlxppd.runtime.system.mlx_thread import MlxThread
-from mlxppd.wire.backends import create_transport
 from mlxppd.wire.codec import Message, MessageKind
-from tests.support.pipelines import stage_worker
-from tests.support.stage_peer import Peer
-from tests.support.wire import config, run
+from tests.support.stage_peer import connected
+from tests.support.wire import run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -39,23 +35,12 @@ def failure(message: Message) -> SequenceFailure:
     return SequenceFailure.model_validate(dict(message.meta))
 
 
-async def connected(model: Path, mlx: MlxThread) -> tuple[StageWorker, Peer]:
-    worker = await stage_worker(model, mlx, StageSpec(0, 1, 0, NUM_LAYERS))
-    host, port = await worker.start("127.0.0.1", 0)
-    channel = await create_transport("tcp", config("coordinator")).connect(
-        host, port, expected_peer="stage-0"
-    )
-    peer = Peer(channel)
-    assert (await peer.control.ask(Configure(), Ack)).ok
-    return worker, peer
-
-
 def test_a_released_member_is_dropped_from_its_step_and_the_others_go_on(
     embedded_model_dir: Path,
 ) -> None:
     async def scenario() -> None:
         mlx = MlxThread("members-mlx")
-        worker, peer = await connected(embedded_model_dir, mlx)
+        worker, peer = await connected(embedded_model_dir, mlx, NUM_LAYERS)
         try:
             await peer.admit("alone")
             alone = await peer.greedy("alone", 3)
@@ -90,7 +75,7 @@ def test_a_released_member_is_dropped_from_its_step_and_the_others_go_on(
 def test_a_decode_step_of_a_released_sequence_makes_no_caches(embedded_model_dir: Path) -> None:
     async def scenario() -> None:
         mlx = MlxThread("members-mlx")
-        worker, peer = await connected(embedded_model_dir, mlx)
+        worker, peer = await connected(embedded_model_dir, mlx, NUM_LAYERS)
         try:
             await peer.admit("gone")
             token = await peer.prefill("gone")
