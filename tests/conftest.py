@@ -62,6 +62,12 @@ SLOW_MODULES = (
     "test_grammar_admission.py",
     "test_micro_batch_members.py",
     "test_coordinator_takeover.py",
+    "test_tool_length_cut.py",
+    "test_ollama_api.py",
+    "test_responses_api.py",
+    "test_cors.py",
+    "test_unserved_paths.py",
+    "test_mlx_cache.py",
 )
 
 

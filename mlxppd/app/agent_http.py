@@ -57,6 +57,7 @@ async def start_agent_http(
         backend,
         console,
         api_key=target.api_key,
+        cors_origins=target.cors_origins,
         metrics=metrics,
         metrics_route=context.host.metrics,
         admin=admin,

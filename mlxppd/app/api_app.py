@@ -15,8 +15,10 @@ from aiohttp import web
 from mlxppd.http.anthropic_api import add_anthropic_routes
 from mlxppd.http.console import add_console_routes
 from mlxppd.http.console_feed import ConsoleFeed
+from mlxppd.http.ollama_api import add_ollama_routes
 from mlxppd.http.openai_api import create_app
 from mlxppd.http.openapi import add_openapi_route
+from mlxppd.http.responses_api import add_responses_routes
 from mlxppd.runtime.backends.contract import GenerationBackend
 
 
@@ -27,6 +29,8 @@ def api_app(
     console (``http/console.py``) when a coordinator gives its feed."""
     app = create_app(backend, **options)
     add_anthropic_routes(app)
+    add_ollama_routes(app)  # Ollama's /api, for the UIs that speak it (docs/ollama-api.md)
+    add_responses_routes(app)  # OpenAI's Responses API, its store at the default bounds
     if console is not None:
         add_console_routes(app, console)
     add_openapi_route(app)  # the document of these routes, built from their models

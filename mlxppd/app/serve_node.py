@@ -65,6 +65,7 @@ async def serve_http(
         console,
         api_key=options.api_key,
         alias=options.alias,
+        cors_origins=options.cors_origins,
         metrics=metrics,
         metrics_route=options.metrics,
         admin=admin,

@@ -152,6 +152,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="file holding the key for --api-key, mode 600 like the cluster secret",
     )
     p.add_argument(
+        "--cors-origin",
+        action="append",
+        metavar="ORIGIN",
+        help="let web pages from ORIGIN (scheme://host[:port]; '*': every origin, only "
+        "without an API key) call the API from a browser (CORS; repeatable; default: none)",
+    )
+    p.add_argument(
         "--once",
         metavar="PROMPT",
         help="start, send PROMPT as one chat request over HTTP, print the answer, stop",
@@ -328,6 +335,21 @@ def _check_values(args: argparse.Namespace, mode: Mode) -> None:
             "command line shows in ps)",
             source="--api-key",
         )
+    _cors_origins(args)
+
+
+def _cors_origins(args: argparse.Namespace) -> tuple[str, ...]:
+    """--cors-origin's origins, canonical; '*' with an API key is refused, saying why."""
+    from mlxppd.core.config.origins import parse_origins, wildcard_problem
+
+    try:
+        origins = parse_origins(args.cors_origin or [])
+    except ValueError as exc:
+        raise ConfigurationError(str(exc), source="--cors-origin") from None
+    keyed = args.api_key is not None or args.api_key_file is not None
+    if (problem := wildcard_problem(origins, keyed)) is not None:
+        raise ConfigurationError(problem, source="--cors-origin")
+    return origins
 
 
 async def _run_auto(options: Any, zero: Any) -> int:
@@ -402,6 +424,7 @@ def _node_options(args: argparse.Namespace) -> Any:
         alias=args.alias,
         adapters=tuple(args.adapter or ()),
         api_key=api_key,
+        cors_origins=_cors_origins(args),
         ready_file=args.ready_file,
         once_prompt=args.once,
         once_max_tokens=args.max_tokens,

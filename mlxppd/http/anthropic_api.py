@@ -21,6 +21,7 @@ from typing import Any, Generic, TypeVar
 
 from aiohttp import web
 
+from mlxppd.core.protocol.sampling import GrammarSpec
 from mlxppd.http.anthropic_message import ANTHROPIC_ERRORS, MessageReply
 from mlxppd.http.anthropic_models import (
     BLOCK_SEPARATOR,
@@ -45,8 +46,8 @@ from mlxppd.http.errors import ApiError, invalid
 from mlxppd.http.generation import GenerationRequest, choice_params, prompt_context
 from mlxppd.http.models_api import check_model
 from mlxppd.http.prompt_bound import bounded_tokens
-from mlxppd.http.sse import SseWriter, StreamFeed, failures_end_stream
-from mlxppd.http.tools import ToolPlan
+from mlxppd.http.sse import SseWriter, failures_end_stream, send_content
+from mlxppd.http.tools import ToolPlan, schema_text
 from mlxppd.http.validation import validate
 
 #: prompt tokens a prefill's continuation is detokenized after (the seam's context)
@@ -130,6 +131,7 @@ async def _prompt(
 
 def _asked(body: MessagesRequest) -> GenerationRequest:
     """What the message asks of the model, as the chat API asks it (one choice, unseeded)."""
+    form = body.output_config.format if body.output_config is not None else None
     return GenerationRequest(
         model=body.model,
         max_tokens=body.max_tokens,
@@ -137,6 +139,10 @@ def _asked(body: MessagesRequest) -> GenerationRequest:
         top_p=body.top_p,
         top_k=body.top_k,
         stop=body.stop_sequences,
+        # The request model bounded exactly this schema (tools.BoundedSchema).
+        grammar=GrammarSpec(kind="json_schema", schema_text=schema_text(form.schema_))
+        if form is not None
+        else None,
     )
 
 
@@ -178,6 +184,8 @@ async def _messages(request: web.Request) -> web.StreamResponse:
     prompted = await _prompted(request, state, MessagesRequest)
     body, plan, prompt = prompted.body, prompted.plan, prompted.prompt
     asked = _asked(body)
+    if plan.forced and asked.grammar is not None:
+        raise invalid("a forced tool call and an output format cannot both hold", "tool_choice")
     (params,) = choice_params(state, asked, len(prompt), "messages", plan)
     request_id = request_log(request).request_id
     events = state.backend.generate(request_id, prompt, params)
@@ -214,13 +222,7 @@ async def _stream(
             await sse.send(event)
         # With tools, text that may begin a call is held back; the calls go out at the end.
         hold = message.tools.holdback()
-        async with StreamFeed(request, [gen.pieces()]) as feed:
-            async for _, piece in feed:
-                if piece is None:
-                    break
-                text = hold.feed(piece.text) if hold is not None else piece.text
-                if text:
-                    await sse.send(message.text_delta(text))
+        await send_content(request, gen.pieces(), hold, lambda t: sse.send(message.text_delta(t)))
         for event in message.closing(gen):
             await sse.send(event)
         await sse.close()

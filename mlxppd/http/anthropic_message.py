@@ -96,8 +96,10 @@ class MessageReply:
         """The reply's content blocks, and whether it calls tools."""
         if not self.tools.active:
             return [{"type": "text", "text": gen.text}], False
-        content, calls = self.tools.finish(gen.text)
-        return reply_blocks(content, calls), bool(calls)
+        content, calls = self.tools.finish(gen.text, gen.finish_reason == "length")
+        # A call cut by max_tokens is a tool_use block (its input as far as it went), but
+        # the reply says max_tokens: the client must not run it as if whole.
+        return reply_blocks(content, calls), any(not c.partial for c in calls)
 
     def complete(self, gen: Generation) -> dict[str, Any]:
         blocks, calls = self.blocks(gen)

@@ -165,17 +165,18 @@ class ThinkingConfig(ApiModel):
         return value
 
 
+class OutputFormat(ApiModel):
+    """Structured output (the SDK's ``messages.parse(output_format=...)``): the reply's text
+    held to a JSON schema by the same grammar as OpenAI's ``response_format``."""
+
+    type: Literal["json_schema"]
+    schema_: BoundedSchema = Field(alias="schema", description="the JSON schema to follow")
+
+
 class OutputConfig(ApiModel):
     #: how hard the model should think: a hint this server accepts and ignores
     effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
-    format: dict[str, Any] | None = None
-
-    @field_validator("format")
-    @classmethod
-    def _free_text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None:
-            raise unsupported("a structured output format")
-        return value
+    format: OutputFormat | None = None
 
 
 class Conversation(ApiModel):

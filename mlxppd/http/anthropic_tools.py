@@ -14,6 +14,7 @@ import secrets
 from collections.abc import Sequence
 from typing import Any
 
+from mlxppd.http.partial_calls import closed_json
 from mlxppd.http.tools import (
     FunctionDef,
     NamedToolChoice,
@@ -84,7 +85,7 @@ def reply_blocks(content: str | None, calls: Sequence[ToolCall]) -> list[dict[st
             "type": "tool_use",
             "id": "toolu_" + secrets.token_hex(12),
             "name": c.name,
-            "input": json.loads(c.arguments),
+            "input": closed_json(c.arguments) if c.partial else json.loads(c.arguments),
         }  # fmt: skip
         for c in calls
     ]

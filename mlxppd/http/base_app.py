@@ -7,8 +7,9 @@ error shape of the API whose path was asked: ``serve_errors_as``), ``/health`` a
 the admin API and the console. Handlers read bodies with ``read_json`` (the size limit here, the
 time limit the listener's: ``app/http_site.py``) and report into their request's log line
 through ``request_log``. Without an API key, what a key would guard answers only requests a web
-page elsewhere cannot make (``http/same_origin.py``). A client gone mid-request (a reset) is one
-quiet line, its request's, and counted.
+page elsewhere cannot make (``http/same_origin.py``), but for the origins CORS lists
+(``http/cors.py``, whose preflights the middleware answers before asking for the key). A
+client gone mid-request (a reset) is one quiet line, its request's, and counted.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from mlxppd.core.log_text import escape
 from mlxppd.http.api_state import BULK_THREAD, STATE, ApiState
 from mlxppd.http.completion import ClientGone
+from mlxppd.http.cors import answer_preflight, origin_admitted
 from mlxppd.http.errors import (
     ADMISSION_RETRY_AFTER_S,
     ApiError,
@@ -37,6 +39,7 @@ from mlxppd.http.errors import (
     from_backend_error,
 )
 from mlxppd.http.same_origin import check_same_origin
+from mlxppd.http.unserved import not_found
 from mlxppd.http.validation import parse_json_body
 from mlxppd.runtime.backends.contract import (
     AdmissionRejected,
@@ -51,7 +54,7 @@ log = logging.getLogger("mlxppd.http")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 #: paths under the api key when one is set (/health answers everyone, in one word)
-_KEYED_PREFIXES = ("/v1/", "/metrics", "/console/v1/")
+_KEYED_PREFIXES = ("/v1/", "/api/", "/metrics", "/console/v1/")
 
 
 @dataclass
@@ -232,8 +235,9 @@ def _check_headers(request: web.Request) -> None:
 
 @contextlib.contextmanager
 def _counted(state: ApiState, request: web.Request) -> Iterator[None]:
-    """One more request in flight, or a 503 when the cap is reached (only /v1 counts)."""
-    if not request.path.startswith("/v1/"):
+    """One more request in flight, or a 503 when the cap is reached (only /v1 and Ollama's
+    /api count)."""
+    if not request.path.startswith(("/v1/", "/api/")):
         yield
         return
     if state.in_flight >= state.max_in_flight:
@@ -257,6 +261,8 @@ async def _answer(
     """The handler's response, or its failure as an error in the shape of the path's API."""
     try:
         _check_headers(request)
+        if (preflight := answer_preflight(request)) is not None:
+            return preflight  # before the key: a browser sends none on a CORS preflight
         if not _authorized(state, request):
             raise ApiError(
                 401,
@@ -266,7 +272,8 @@ async def _answer(
                 headers={"WWW-Authenticate": "Bearer"},
             )
         if state.api_key is None and request.path.startswith(_KEYED_PREFIXES):
-            check_same_origin(request, state.listen_hosts)
+            admitted = origin_admitted(request)  # an origin CORS lists passes the Origin check
+            check_same_origin(request, state.listen_hosts, origin_admitted=admitted)
         with _counted(state, request):
             response = await handler(request)
         if not response.prepared:
@@ -276,7 +283,9 @@ async def _answer(
         error = from_backend_error(exc)
     except BodyDeadline as exc:
         error = ApiError(408, str(exc), code="request_timeout")
-    except web.HTTPException as exc:  # unknown route, wrong method: the same error shape
+    except web.HTTPNotFound:  # what is served, said in the path's API shape
+        error = not_found(request)
+    except web.HTTPException as exc:  # wrong method and the like: the same error shape
         error = ApiError(exc.status, exc.reason, code=exc.reason.lower().replace(" ", "_"))
     except ClientGone:
         return web.Response(status=499)  # nginx's "client closed request"; nothing reaches it

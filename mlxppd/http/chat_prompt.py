@@ -3,7 +3,7 @@
 A template that renders ``tools`` itself gets them as they are; one that ignores them (it
 renders the same text with and without) gets them described in a system message
 (``tools.template_messages``). A forced call (``tool_choice`` required or named) ends the
-prompt with the call's opening marker.
+prompt with the call's opening marker. A ``developer`` message is a system message.
 """
 
 from __future__ import annotations
@@ -37,13 +37,20 @@ def renders_tools(tokenizer: Any, tools: Sequence[ToolDef]) -> bool:
     return _NATIVE[key]
 
 
+def system_roles(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI's ``developer`` role is the system role (newer clients send it instead): the
+    templates know only ``system``, and would otherwise render a literal developer turn after
+    their default system prompt."""
+    return [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
+
+
 def chat_prompt(
     tokenizer: Any, messages: Sequence[dict[str, Any]], plan: ToolPlan, context: int
 ) -> list[int]:
     """The prompt's token ids (the template may raise on a conversation it refuses); a 400
     before tokenizing when its text is too long for ``context`` tokens (``prompt_bound.py``)."""
     native = plan.active and renders_tools(tokenizer, plan.tools)
-    conversation = template_messages(messages, plan.tools, native)
+    conversation = template_messages(system_roles(messages), plan.tools, native)
     extra: dict[str, Any] = {}
     if native:
         extra["tools"] = [t.model_dump(mode="json") for t in plan.tools]

@@ -154,3 +154,22 @@ class OpenAIErrors:
 
 
 OPENAI_ERRORS: ErrorShape = OpenAIErrors()
+
+
+class OllamaErrors:
+    """Ollama's ``{"error": "<message>"}``: one string, so the field at fault starts it."""
+
+    def body(self, error: ApiError, request_id: str | None = None) -> dict[str, Any]:
+        message, param = error.message, error.param
+        if param and not message.startswith(f"{param}:"):
+            message = f"{param}: {message}"
+        return {"error": message}
+
+    def response(self, error: ApiError, request_id: str | None = None) -> web.Response:
+        headers = dict(error.headers)
+        if request_id:
+            headers["X-Request-Id"] = request_id
+        return web.json_response(self.body(error), status=error.status, headers=headers)
+
+
+OLLAMA_ERRORS: ErrorShape = OllamaErrors()

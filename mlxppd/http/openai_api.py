@@ -9,7 +9,7 @@ app object.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from aiohttp import web
 
@@ -24,6 +24,7 @@ from mlxppd.http.api_state import (
 from mlxppd.http.base_app import base_app, body_bytes, client_gone, read_json, request_log
 from mlxppd.http.chat_prompt import chat_prompt, has_chat_template
 from mlxppd.http.completion import Generation, Piece, start_all
+from mlxppd.http.cors import CorsPolicy, enable_cors
 from mlxppd.http.errors import ApiError, invalid
 from mlxppd.http.generation import choice_params, prompt_context
 from mlxppd.http.models_api import check_model, get_model, list_models
@@ -53,6 +54,7 @@ def create_app(
     stream_buffer_events: int = DEFAULT_STREAM_BUFFER_EVENTS,
     stream_send_buffer_bytes: int = DEFAULT_STREAM_SEND_BUFFER_BYTES,
     metrics_route: bool = True,
+    cors_origins: Sequence[str] = (),
 ) -> web.Application:
     """The OpenAI API app.
 
@@ -69,6 +71,9 @@ def create_app(
     ``stream_buffer_events``: events a stream holds for a client reading slower than the model
     writes; past them the client has stopped reading and the stream is cut (``http/sse.py``).
     ``stream_send_buffer_bytes``: the kernel send buffer of a stream's socket.
+    ``cors_origins``: the origins (``scheme://host[:port]``; ``*``: every one, refused with an
+    api key) whose web pages may call the API paths from a browser (``http/cors.py``); none by
+    default. A ValueError names a malformed origin.
     The deadlines (head, body, write, idle) are the listener's: ``app/http_site.py``.
     """
     if api_key is not None and not api_key:
@@ -86,6 +91,7 @@ def create_app(
         metrics=metrics,
     )
     app = base_app(state, metrics_route=metrics_route)
+    enable_cors(app, CorsPolicy.of(cors_origins, has_api_key=api_key is not None))
     add_openai_routes(app)
     if admin is not None:
         add_admin_routes(
@@ -225,6 +231,8 @@ async def _send_choices(
         hold = holds[index]
         if hold is not None:
             item = Piece(hold.feed(item.text), item.tokens)
+            if not item.text and not shape.logprobs:
+                continue  # all held back (a call being written): no empty delta
         await sse.event(shape.chunk(item, None, include_usage, index))
     if include_usage:
         await sse.event(shape.usage_chunk(gens))

@@ -27,7 +27,10 @@ from pydantic_core import core_schema
 from mlxppd import __version__
 from mlxppd.http import anthropic_models as claude
 from mlxppd.http import api_models as out
+from mlxppd.http.ollama_openapi import OLLAMA_MODELS, ollama_paths
 from mlxppd.http.requests import ChatCompletionRequest, CompletionRequest
+from mlxppd.http.responses_openapi import MODELS as RESPONSES_MODELS
+from mlxppd.http.responses_openapi import responses_paths
 
 __all__ = [
     "OPENAPI_PATH",
@@ -54,6 +57,8 @@ _MODELS: tuple[tuple[type[BaseModel], JsonSchemaMode], ...] = (
     (claude.MessagesRequest, "validation"),
     (claude.CountTokensRequest, "validation"),
     *((model, "serialization") for model in claude.RESPONSE_MODELS),
+    *OLLAMA_MODELS,
+    *RESPONSES_MODELS,
 )
 
 _ERRORS: dict[int, str] = {
@@ -472,7 +477,9 @@ def _anthropic_paths() -> dict[str, Any]:
 
 
 def _paths() -> dict[str, Any]:
-    return {**_api_paths(), **_anthropic_paths(), **_service_paths()}
+    ollama = ollama_paths(schema_ref, BEARER)
+    responses = responses_paths(_keyed, _ok)
+    return {**_api_paths(), **responses, **_anthropic_paths(), **ollama, **_service_paths()}
 
 
 def openapi_document(

@@ -92,11 +92,12 @@ class Shape:
             if self.chat:
                 message: dict[str, Any] = {"role": "assistant", "content": gen.text}
                 if self.tools.active:
-                    content, calls = self.tools.finish(gen.text)
+                    cut = finish == "length"
+                    content, calls = self.tools.finish(gen.text, cut)
                     message["content"] = content
                     if calls:
                         message["tool_calls"] = [c.as_dict() for c in calls]
-                        finish = "tool_calls"
+                        finish = "length" if cut else "tool_calls"  # as OpenAI: cut, it says so
                 choice["message"] = {**message, "refusal": None}
             else:
                 choice["text"] = gen.text
@@ -130,13 +131,14 @@ class Shape:
     ) -> tuple[dict[str, Any] | None, str]:
         """Streaming with tools, at a choice's end: the chunk carrying its tool calls (None
         when it made none) and its finish reason."""
-        _, calls = self.tools.finish(gen.text)
+        cut = gen.finish_reason == "length"
+        _, calls = self.tools.finish(gen.text, cut)
         if not calls:
             return None, gen.finish_reason
         deltas = [{"index": i, **call.as_dict()} for i, call in enumerate(calls)]
         choice = {"index": index, "delta": {"tool_calls": deltas}, "logprobs": None,
                   "finish_reason": None}  # fmt: skip
-        return self._chunk_of(choice, include_usage), "tool_calls"
+        return self._chunk_of(choice, include_usage), "length" if cut else "tool_calls"
 
     def _chunk_of(self, choice: dict[str, Any], include_usage: bool) -> dict[str, Any]:
         chunk = {**self._head(True), "choices": [choice]}

@@ -7,7 +7,8 @@ neither gets anywhere (the page cannot add the key). Without one, the paths a ke
 (a loopback name or address, the host it is bound to, or the address the connection arrived
 on), whose ``Origin``, when sent, names one of those too, and whose body is
 ``application/json``, which a page can only send after a preflight this server never answers.
-No name is resolved here: an unauthenticated request costs no DNS lookup.
+No name is resolved here: an unauthenticated request costs no DNS lookup. A page on an origin
+the operator listed for CORS (``http/cors.py``) passes the Origin check.
 """
 
 from __future__ import annotations
@@ -74,9 +75,13 @@ def own_names(request: web.Request, listen_hosts: Set[str]) -> set[str]:
     return names
 
 
-def check_same_origin(request: web.Request, listen_hosts: Set[str]) -> None:
+def check_same_origin(
+    request: web.Request, listen_hosts: Set[str], *, origin_admitted: bool = False
+) -> None:
     """Raise a 403 when the request's Host or Origin names another server, a 415 when its body
-    is not JSON; ``listen_hosts``: the hosts this app's listeners are bound to."""
+    is not JSON; ``listen_hosts``: the hosts this app's listeners are bound to.
+    ``origin_admitted``: the Origin is one the CORS policy lets call this path
+    (``http/cors.py``), so it passes; the Host and the content type are checked all the same."""
     own = own_names(request, listen_hosts)
     host = request.headers.get("Host", "")
     name = host_name(host)
@@ -91,12 +96,13 @@ def check_same_origin(request: web.Request, listen_hosts: Set[str]) -> None:
             code="host_not_allowed",
         )
     origin = request.headers.get("Origin")
-    if origin is not None and not _origin_allowed(origin, own):
+    if origin is not None and not origin_admitted and not _origin_allowed(origin, own):
         raise ApiError(
             403,
             f"this server has no API key, so it refuses requests from web pages served "
             f"elsewhere, and this one comes from {quoted(origin, 80)}; open the page from "
-            "this server, or start the server with an API key",
+            "this server, list its origin with --cors-origin (cors_origins in mlxppd.toml), "
+            "or start the server with an API key",
             type="permission_error",
             code="origin_not_allowed",
         )

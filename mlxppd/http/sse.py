@@ -19,7 +19,7 @@ import json
 import logging
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from aiohttp import web
 
@@ -128,6 +128,31 @@ def _cap_buffers(transport: asyncio.BaseTransport | None, send_bytes: int) -> No
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_bytes)
     with contextlib.suppress(AttributeError, NotImplementedError):
         transport.set_write_buffer_limits(high=send_bytes)  # type: ignore[attr-defined]
+
+
+class Holdback(Protocol):
+    """What decides how much of the generated text may go out as content now
+    (``tools.ContentHoldback``: text that may begin a tool call waits)."""
+
+    def feed(self, piece: str) -> str: ...
+
+
+async def send_content(
+    request: web.Request,
+    pieces: AsyncIterator[Any],
+    hold: Holdback | None,
+    send: Callable[[str], Awaitable[None]],
+) -> None:
+    """Send one generation's text as it comes (``send`` per non-empty piece), through a
+    bounded ``StreamFeed``, with what ``hold`` holds back (a tool call being written) left
+    out. The feed is closed however this ends (a client gone mid-send included)."""
+    async with StreamFeed(request, [pieces]) as feed:
+        async for _, piece in feed:
+            if piece is None:
+                return
+            text = hold.feed(piece.text) if hold is not None else piece.text
+            if text:
+                await send(text)
 
 
 class StreamFeed(Generic[Item]):

@@ -23,6 +23,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from pydantic_core import PydanticCustomError
 
 from mlxppd.core.protocol.sampling import MAX_SCHEMA_BYTES
+from mlxppd.http.partial_calls import partial_call
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
@@ -109,7 +110,9 @@ class ToolCall:
     id: str
     name: str
     arguments: str
-    """JSON text"""
+    """JSON text (a cut call's: as far as it was generated)"""
+    partial: bool = False
+    """the length limit cut it off (``http/partial_calls.py``)"""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -259,11 +262,23 @@ class ToolPlan:
         """Streaming: what holds back text that may begin a call (None without tools)."""
         return ContentHoldback(bool(self.forced)) if self.active else None
 
-    def finish(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """The generated text as content and calls (a forced call's text is its JSON)."""
+    def finish(self, text: str, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
+        """The generated text as content and calls (a forced call's text is its JSON).
+        ``cut``: the length limit ended it; a call it was writing comes back partial (marked
+        ``partial``), never as text."""
         if self.forced:
-            return parse_calls(f"{TOOL_CALL_START}{text}{TOOL_CALL_END}", self.tools)
-        return parse_calls(text, self.tools)
+            text = TOOL_CALL_START + text + ("" if cut else TOOL_CALL_END)
+        start = text.rfind(TOOL_CALL_START)
+        if not cut or start < 0 or text.find(TOOL_CALL_END, start) >= 0:
+            return parse_calls(text, self.tools)
+        content, calls = parse_calls(text[:start], self.tools)
+        found = partial_call(text[start + len(TOOL_CALL_START) :], self._names())
+        if found is not None:
+            calls.append(ToolCall(new_call_id(), found[0], found[1], partial=True))
+        return content, calls
+
+    def _names(self) -> list[str]:
+        return [t.function.name for t in self.forced or self.tools]
 
 
 def plan_tools(tools: Sequence[ToolDef], choice: ToolChoice | None) -> ToolPlan:

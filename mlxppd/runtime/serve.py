@@ -71,6 +71,8 @@ class NodeOptions:
     alias: str | None = None
     api_key: str | None = field(default=None, repr=False)
     """the OpenAI API bearer key (--api-key or the content of --api-key-file); never shown"""
+    cors_origins: tuple[str, ...] = ()
+    """--cors-origin: origins whose web pages may call the HTTP API (http/cors.py)"""
     ready_file: Path | None = None
     once_prompt: str | None = None
     once_max_tokens: int = 64

@@ -222,7 +222,7 @@ def error_of(exc: anthropic.APIStatusError) -> dict[str, Any]:
             "messages[0].content[0].type",
         ),
         ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking.type"),
-        ({"output_config": {"format": {"type": "json_schema"}}}, "output_config.format"),
+        ({"output_config": {"format": {"type": "json_schema"}}}, "output_config.format.schema"),
     ],
 )
 def test_a_bad_request_is_a_400_naming_the_field(

@@ -50,6 +50,8 @@ CONTEXT_TOKENS = 64
 #: examples schemathesis generates per operation (MLXPP_FUZZ_EXAMPLES for a longer run)
 FUZZ_EXAMPLES = int(os.environ.get("MLXPP_FUZZ_EXAMPLES", "30"))
 NEGATIVE_EXAMPLES = max(1, FUZZ_EXAMPLES // 2)
+NEW_ROUTE_EXAMPLES = max(1, FUZZ_EXAMPLES // 2)
+RESPONSES = "/v1/responses"
 
 DOC = openapi_document()
 
@@ -135,10 +137,11 @@ def test_request_and_response_schemas_are_components() -> None:
 
 
 def test_security_is_bearer_on_v1_only() -> None:
-    """The key guards /v1/* and /metrics; the Messages API also takes it as x-api-key."""
+    """The key guards /v1/*, Ollama's /api/* and /metrics; the Messages API also takes it as
+    x-api-key."""
     for path, item in DOC["paths"].items():
         for operation in item.values():
-            keyed = path.startswith("/v1/") or path == "/metrics"
+            keyed = path.startswith(("/v1/", "/api/")) or path == "/metrics"
             bearer: dict[str, list[str]] = {"bearerAuth": []}
             if path.startswith(MESSAGES_PATH):
                 assert operation["security"] == [bearer, {"apiKeyHeader": []}], path
@@ -486,10 +489,21 @@ def _operation(path: str, method: str = "POST") -> Any:
     return schemathesis.openapi.from_dict(openapi_document(), config=config)[path][method]
 
 
-def _clamp(body: Any) -> None:
+def _clamp(body: Any, path: str = CHAT) -> None:
     """At most 2 choices of 4 tokens, asked for when none is (a generated n=16 of the whole
     context takes a minute on two cores): a test, not a benchmark."""
     if not isinstance(body, dict):
+        return
+    if path == RESPONSES:  # its own budget's name, and no other field is taken
+        if not isinstance(body.get("max_output_tokens"), int) or body["max_output_tokens"] > 4:
+            body["max_output_tokens"] = 4
+        return
+    if path.startswith("/api/"):  # Ollama's: options.num_predict
+        options = body.setdefault("options", {})
+        if isinstance(options, dict):
+            predict = options.get("num_predict")
+            if not isinstance(predict, int) or not 0 <= predict <= 4:
+                options["num_predict"] = 4
         return
     if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_tokens"] = 4
@@ -540,7 +554,7 @@ def _fuzz(
     @given(case=_operation(path, method).as_strategy(generation_mode=generation))
     def run(case: Any) -> None:
         if mode == "positive":
-            _clamp(case.body)
+            _clamp(case.body, path)
         if steer:
             _steer(case.body)
         response = case.call(base_url=url, timeout=120)
@@ -571,7 +585,24 @@ def test_schemathesis_negative(keyed_url: str, path: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", ["/v1/models", "/v1/models/{model}", "/health", OPENAPI_PATH])
+@pytest.mark.parametrize("path", [RESPONSES, "/api/chat", "/api/generate", "/api/show"])
+@pytest.mark.parametrize("mode", ["positive", "steered", "negative"])
+def test_schemathesis_on_the_responses_and_ollama_apis(
+    keyed_url: str, path: str, mode: str
+) -> None:
+    steer = mode == "steered"
+    seen = _fuzz(keyed_url, path, "positive" if steer else mode, NEW_ROUTE_EXAMPLES, steer=steer)
+    assert not any(status >= 500 for status in seen), seen
+    if steer and path != "/api/show":
+        assert seen.get(200), f"no steered request was answered 200: {seen}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "path",
+    ["/v1/models", "/v1/models/{model}", "/health", OPENAPI_PATH, "/v1/responses/{response_id}",
+     "/api/tags", "/api/version", "/api/ps"],
+)  # fmt: skip
 def test_schemathesis_get(keyed_url: str, path: str) -> None:
     seen = _fuzz(keyed_url, path, "positive", 5, method="GET")
     assert not any(status >= 500 for status in seen), seen

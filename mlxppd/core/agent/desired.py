@@ -110,6 +110,7 @@ def desired_state(
             prompt_cache_entries=host.prompt_cache_entries,
             prefill_chunk_size=host.prefill_chunk_size,
             api_key=host.api_key,
+            cors_origins=host.cors_origins,
         )
         return DesiredState(node.id, generation, cluster.cluster.elastic, coordinator=coordinator)
     index = STANDBY_INDEX

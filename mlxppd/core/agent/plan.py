@@ -130,6 +130,8 @@ class CoordinatorTarget:
     prefill_chunk_size: int = 0
     """prompt tokens per prefill pass (0: sized per prompt by the coordinator)"""
     api_key: str | None = field(default=None, repr=False)
+    cors_origins: tuple[str, ...] = ()
+    """origins whose web pages may call the HTTP API (mlxppd.toml cors_origins)"""
 
     def pipeline_key(self) -> tuple[object, ...]:
         """What needs a new pipeline (reconnect) when it changes; layers alone do not."""
@@ -143,7 +145,7 @@ class CoordinatorTarget:
         )
 
     def http_key(self) -> tuple[object, ...]:
-        return (self.http_host, self.http_port, self.api_key)
+        return (self.http_host, self.http_port, self.api_key, self.cors_origins)
 
 
 @dataclass(frozen=True)

@@ -14,13 +14,15 @@ import contextvars
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError, create_model
+from pydantic import BeforeValidator, Field, ValidationError, create_model
 from pydantic.fields import FieldInfo
+from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from mlxppd.core.config.messages import format_key_path, validation_error
+from mlxppd.core.config.origins import MAX_ORIGINS, parse_origins, wildcard_problem
 from mlxppd.core.config.private_file import allow_loose_from, read_private_file
 from mlxppd.core.cpu_weights import CpuWeightsField
 from mlxppd.core.errors import ConfigurationError
@@ -46,6 +48,21 @@ HOST_FILE = "mlxppd.toml"
 ENV_PREFIX = "MLXPP_"
 
 LogLevel = Literal["debug", "info", "warning", "error"]
+
+
+def _origin_list(value: Any) -> Any:
+    # MLXPP_CORS_ORIGINS comes as one string: its origins separated by commas.
+    if isinstance(value, str):
+        value = [v for v in value.split(",") if v.strip()]
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        try:
+            return parse_origins(value)
+        except ValueError as exc:
+            raise PydanticCustomError("invalid_value", "{why}", {"why": str(exc)}) from None
+    return value
+
+
+OriginList = Annotated[tuple[str, ...], BeforeValidator(_origin_list)]
 
 # The layers below the flags, handed to the settings sources for one load (no global state
 # outlives a call).
@@ -106,6 +123,13 @@ class HostSettings(BaseSettings):
         min_length=1,
         description="File holding the OpenAI API bearer key, mode 600 like the cluster secret "
         "(relative paths are relative to the config directory); instead of api_key.",
+    )
+    cors_origins: OriginList = Field(
+        (),
+        max_length=MAX_ORIGINS,
+        description="Origins (scheme://host[:port]; '*': every one, only without an API key) "
+        "whose web pages may call the HTTP API from a browser (CORS); MLXPP_CORS_ORIGINS "
+        "lists them separated by commas.",
     )
     kv_budget_bytes: int | None = Field(
         None,
@@ -283,6 +307,9 @@ def load_host_settings(
         settings = HostSettings(**flags)
     finally:
         _LAYERS.reset(token)
+    keyed = settings.api_key is not None or settings.api_key_file is not None
+    if (problem := wildcard_problem(settings.cors_origins, keyed)) is not None:
+        raise ConfigurationError(problem, source=str(path), key="cors_origins")
     if settings.api_key_file is None or not read_api_key:
         return settings
     if settings.api_key is not None:
