@@ -12,7 +12,6 @@ rendered with the earlier turn as its prefix, which the stages' prompt cache ser
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -28,16 +27,6 @@ pytestmark = pytest.mark.slow
 
 QUESTION = "What is the capital of France?"
 ANSWER_TOKENS = 16
-
-
-@pytest.fixture(scope="module")
-def client(loopback_only: LoopbackGuard, live_cluster: LiveCluster) -> Iterator[OpenAI]:
-    from openai import OpenAI
-
-    with OpenAI(
-        base_url=live_cluster.v1, api_key=live_cluster.key, max_retries=0, timeout=120
-    ) as c:
-        yield c
 
 
 def _run_agent(live_cluster: LiveCluster, make_agent: Any, streamed: bool = False) -> Any:
@@ -92,7 +81,7 @@ def test_an_agent_calls_its_forced_function_tool(
 
 
 def test_an_agents_streamed_run_ends_with_the_greedy_answer(
-    client: OpenAI, live_cluster: LiveCluster
+    openai_client: OpenAI, live_cluster: LiveCluster
 ) -> None:
     from agents import Agent, ModelSettings
 
@@ -101,7 +90,7 @@ def test_an_agents_streamed_run_ends_with_the_greedy_answer(
         return Agent(name="plain", model=model, model_settings=settings), QUESTION
 
     result = _run_agent(live_cluster, make_agent, streamed=True)
-    expected = client.responses.create(
+    expected = openai_client.responses.create(
         model=live_cluster.model, input=QUESTION, temperature=0, max_output_tokens=ANSWER_TOKENS
     )
     assert result.final_output == expected.output_text
@@ -109,10 +98,10 @@ def test_an_agents_streamed_run_ends_with_the_greedy_answer(
 
 
 def test_a_continued_conversation_reads_its_prefix_from_the_prompt_cache(
-    client: OpenAI, live_cluster: LiveCluster
+    openai_client: OpenAI, live_cluster: LiveCluster
 ) -> None:
     def ask(text: str, **kw: Any) -> Any:
-        return client.responses.create(
+        return openai_client.responses.create(
             model=live_cluster.model, input=text, temperature=0,
             max_output_tokens=ANSWER_TOKENS, **kw,
         )  # fmt: skip

@@ -16,7 +16,6 @@ import anthropic
 import openai
 import pytest
 
-from mlxppd.app.api_app import api_app
 from tests.support.http import LiveServer
 
 pytestmark = pytest.mark.slow
@@ -40,7 +39,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
 def base_url(embedded_model_dir: Path) -> Iterator[str]:
     server = LiveServer(embedded_model_dir, 1)
     try:
-        yield server.serve(api_app(server.backend, api_key=KEY, alias="smollm"), None)
+        yield server.start_api(api_key=KEY, alias="smollm")
     finally:
         server.stop()
 

@@ -11,7 +11,6 @@ import httpx
 import openai
 import pytest
 
-from mlxppd.app.api_app import api_app
 from tests.support.http import LiveServer
 
 pytestmark = pytest.mark.slow
@@ -23,7 +22,7 @@ KEY = "test-key"
 def base_url(embedded_model_dir: Path) -> Iterator[str]:
     server = LiveServer(embedded_model_dir, 1)
     try:
-        yield server.serve(api_app(server.backend, api_key=KEY, alias="smollm"), None)
+        yield server.start_api(api_key=KEY, alias="smollm")
     finally:
         server.stop()
 

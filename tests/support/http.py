@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
+from mlxppd.app.api_app import api_app
 from mlxppd.app.http_site import HttpGuardStats, HttpLimits, start_site
 from mlxppd.core.layer_ranges import even_split
 from mlxppd.http.openai_api import create_app
@@ -111,6 +112,10 @@ class LiveServer(LoopThread):
 
     def start_app(self, limits: HttpLimits | None = None, **options: Any) -> str:
         return self.serve(create_app(self.backend, **options), limits)
+
+    def start_api(self, **options: Any) -> str:
+        """Every API ``mlxppd serve`` serves (``app/api_app.py``), not only OpenAI's."""
+        return self.serve(api_app(self.backend, **options), None)
 
     def stop(self) -> None:
         try:
