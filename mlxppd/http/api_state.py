@@ -19,9 +19,11 @@ T = TypeVar("T")
 
 #: requests handled at once; more get a 503 with Retry-After (the KV budget admits fewer)
 DEFAULT_MAX_IN_FLIGHT = 256
-#: stream events held for a client reading slower than the model writes; one more and the
-#: client has stopped reading: the stream is cut (``http/sse.py``)
+#: stream events held for a client reading slower than the model writes (``http/sse.py``)
 DEFAULT_STREAM_BUFFER_EVENTS = 64
+#: seconds a stream's buffer may stay full before its client counts as stopped: a slow reader
+#: on a busy host catches up within it, one that stopped reading is cut after it
+DEFAULT_STREAM_STALL_S = 5.0
 #: a stream's kernel send buffer (the kernel doubles it): without a cap a client that does not
 #: read has the kernel hold megabytes for it before the server notices
 DEFAULT_STREAM_SEND_BUFFER_BYTES = 16 * 1024
@@ -43,6 +45,7 @@ class ApiState:
     max_body_bytes: int
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
     stream_buffer_events: int = DEFAULT_STREAM_BUFFER_EVENTS
+    stream_stall_s: float = DEFAULT_STREAM_STALL_S
     stream_send_buffer_bytes: int = DEFAULT_STREAM_SEND_BUFFER_BYTES
     in_flight: int = 0
     created: int = field(default_factory=lambda: int(time.time()))

@@ -18,6 +18,7 @@ from mlxppd.http.api_state import (
     DEFAULT_MAX_IN_FLIGHT,
     DEFAULT_STREAM_BUFFER_EVENTS,
     DEFAULT_STREAM_SEND_BUFFER_BYTES,
+    DEFAULT_STREAM_STALL_S,
     STATE,
     ApiState,
 )
@@ -52,6 +53,7 @@ def create_app(
     admin: AdminApi | None = None,
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
     stream_buffer_events: int = DEFAULT_STREAM_BUFFER_EVENTS,
+    stream_stall_s: float = DEFAULT_STREAM_STALL_S,
     stream_send_buffer_bytes: int = DEFAULT_STREAM_SEND_BUFFER_BYTES,
     metrics_route: bool = True,
     cors_origins: Sequence[str] = (),
@@ -69,7 +71,8 @@ def create_app(
     does not apply there, and an admin signature opens nothing under /v1.
     ``max_in_flight``: requests handled at once (503 with Retry-After beyond).
     ``stream_buffer_events``: events a stream holds for a client reading slower than the model
-    writes; past them the client has stopped reading and the stream is cut (``http/sse.py``).
+    writes; a buffer full for ``stream_stall_s`` seconds means the client has stopped reading,
+    and the stream is cut (``http/sse.py``).
     ``stream_send_buffer_bytes``: the kernel send buffer of a stream's socket.
     ``cors_origins``: the origins (``scheme://host[:port]``; ``*``: every one, refused with an
     api key) whose web pages may call the API paths from a browser (``http/cors.py``); none by
@@ -87,6 +90,7 @@ def create_app(
         max_body_bytes=max_body_bytes,
         max_in_flight=max_in_flight,
         stream_buffer_events=stream_buffer_events,
+        stream_stall_s=stream_stall_s,
         stream_send_buffer_bytes=stream_send_buffer_bytes,
         metrics=metrics,
     )

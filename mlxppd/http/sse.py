@@ -3,8 +3,9 @@ with named events as Anthropic streams them; ``failures_end_stream`` around a st
 failure after its headers into its last event.
 
 A client that stops reading must not hold anything: ``StreamFeed`` pulls a stream's generations
-into a bounded buffer on tasks of their own, so they go at the model's pace (no micro-batch
-group waits on a slow reader), and a full buffer cuts the stream (counted in
+into a bounded buffer on tasks of their own, so no micro-batch group waits on a slow reader
+(a sequence's tokens queue in the backend meanwhile), and a buffer that stays full for the
+app's ``stream_stall_s`` cuts the stream (counted in
 ``mlxpp_http_connections_cut{reason="stream_stalled"}``); the caller then closes the
 generations, which frees their sequences. A stream's socket keeps a small kernel buffer, so a
 client that stops reading is noticed after kilobytes, not megabytes; a write the client never
@@ -157,10 +158,10 @@ async def send_content(
 
 class StreamFeed(Generic[Item]):
     """The sources of one stream (one per choice), each pulled by a task of its own into one
-    buffer of the app's ``stream_buffer_events``, so the backend's generators go at the model's
-    pace whatever the client reads. One item more than the buffer holds means the client has
-    stopped reading: the stream is cut (its connection aborted, counted, noted in the request's
-    log line) and iterating raises ``StreamStalled``. Iterating gives ``(index, item)`` and
+    buffer of the app's ``stream_buffer_events``. A buffer that stays full for the app's
+    ``stream_stall_s`` means the client has stopped reading (a slow one catches up within it):
+    the stream is cut (its connection aborted, counted, noted in the request's log line) and
+    iterating raises ``StreamStalled``. Iterating gives ``(index, item)`` and
     ``(index, None)`` when source ``index`` ends, and raises what a source raised. The caller
     closes what the sources come from once the ``async with`` has stopped the tasks."""
 
@@ -168,6 +169,7 @@ class StreamFeed(Generic[Item]):
         self._request = request
         self._sources = sources
         limit = request.app[STATE].stream_buffer_events
+        self._stall_s = request.app[STATE].stream_stall_s
         self._queue: asyncio.Queue[tuple[int, Item | BaseException | None]] = asyncio.Queue(limit)
         self._tasks: list[asyncio.Task[None]] = []
         self.stalled = False
@@ -198,25 +200,26 @@ class StreamFeed(Generic[Item]):
     async def _pull(self, index: int, source: AsyncIterator[Item]) -> None:
         try:
             async for item in source:
-                if not self._offer(index, item):
+                if not await self._offer(index, item):
                     return
-            self._offer(index, None)
+            await self._offer(index, None)
         except Exception as exc:
-            self._offer(index, exc)
+            await self._offer(index, exc)
         finally:
             aclose = getattr(source, "aclose", None)
             if aclose is not None:
                 await aclose()
 
-    def _offer(self, index: int, item: Item | BaseException | None) -> bool:
+    async def _offer(self, index: int, item: Item | BaseException | None) -> bool:
         if self.stalled:
             return False
         try:
-            self._queue.put_nowait((index, item))
-            return True
-        except asyncio.QueueFull:
-            self._cut()
+            await asyncio.wait_for(self._queue.put((index, item)), self._stall_s)
+        except TimeoutError:
+            if not self.stalled:
+                self._cut()
             return False
+        return not self.stalled
 
     def _cut(self) -> None:
         self.stalled = True

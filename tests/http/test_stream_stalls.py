@@ -25,6 +25,7 @@ from mlx_lm.utils import load_tokenizer
 from prometheus_client import CollectorRegistry
 
 from mlxppd.http.anthropic_api import add_anthropic_routes
+from mlxppd.http.api_state import DEFAULT_STREAM_STALL_S
 from mlxppd.http.openai_api import create_app
 from mlxppd.runtime.backends.contract import Health, SamplingParams, TokenEvent
 from mlxppd.runtime.observability.metrics import PipelineMetrics
@@ -68,10 +69,12 @@ class EndlessBackend:
 
 
 class Server:
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, stall_s: float) -> None:
         self.backend = EndlessBackend(load_tokenizer(model_dir))
         self.metrics = PipelineMetrics(CollectorRegistry())
-        app = create_app(self.backend, metrics=self.metrics, stream_buffer_events=8)
+        app = create_app(
+            self.backend, metrics=self.metrics, stream_buffer_events=8, stream_stall_s=stall_s
+        )
         add_anthropic_routes(app)
         self.loop = LoopThread("stream-stalls")
         self.url = self.loop.serve(app)
@@ -86,7 +89,16 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(embedded_model_dir: Path) -> Iterator[Server]:
-    running = Server(embedded_model_dir)
+    """A server that cuts a stream whose buffer stays full for half a second."""
+    running = Server(embedded_model_dir, stall_s=0.5)
+    yield running
+    running.loop.stop()
+
+
+@pytest.fixture(scope="module")
+def patient(embedded_model_dir: Path) -> Iterator[Server]:
+    """A server with the default stall window: its readers are slow, never stopped."""
+    running = Server(embedded_model_dir, stall_s=DEFAULT_STREAM_STALL_S)
     yield running
     running.loop.stop()
 
@@ -101,15 +113,17 @@ STREAMS = {
 }
 
 
-def stuck_reader(port: int, path: str, body: dict[str, Any]) -> socket.socket:
-    """A client that asks for a stream and never reads a byte of it."""
+def stuck_reader(
+    port: int, path: str, body: dict[str, Any], max_tokens: int = MAX_TOKENS
+) -> socket.socket:
+    """A client that asks for a stream and never reads a byte of it (until it does)."""
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect(("127.0.0.1", port))
-    raw = json.dumps({**body, "max_tokens": MAX_TOKENS, "stream": True}).encode()
+    raw = json.dumps({**body, "max_tokens": max_tokens, "stream": True}).encode()
     head = (
         f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(raw)}\r\n\r\n"
+        f"Connection: close\r\nContent-Length: {len(raw)}\r\n\r\n"
     )
     sock.sendall(head.encode() + raw)
     return sock
@@ -143,10 +157,28 @@ def test_a_stream_whose_client_stops_reading_is_cut_and_its_generation_closed(
     assert status == 200 and answer["usage"]["completion_tokens"] == 3, answer
 
 
-def test_a_client_that_reads_gets_every_event_in_order(server: Server) -> None:
+def test_a_client_that_reads_gets_every_event_in_order(patient: Server) -> None:
     body = {"prompt": "hi", "max_tokens": 200, "n": 2}
-    status, events = stream(server.url, "/v1/completions", body)
+    status, events = stream(patient.url, "/v1/completions", body)
     assert status == 200 and events[-1] == "[DONE]"
     for index in (0, 1):
         texts = [e["choices"][0]["text"] for e in events[:-1] if e["choices"][0]["index"] == index]
         assert "".join(texts) == "hello" + " hello" * 199  # a first token loses its space
+
+
+def test_a_reader_that_pauses_within_the_stall_window_gets_the_whole_stream(
+    patient: Server,
+) -> None:
+    """The model outruns this client (its buffers fill at once); it pauses a second, well within
+    the stall window, then reads on: it is slow, not gone, and loses nothing."""
+    before = patient.stalled()
+    sock = stuck_reader(patient.port, "/v1/completions", {"prompt": "hi"}, max_tokens=400)
+    with sock:
+        time.sleep(1.0)  # the pause; the cut would come DEFAULT_STREAM_STALL_S after it filled
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    assert b"data: [DONE]" in body, "the paused reader's stream was cut"
+    assert patient.stalled() == before
