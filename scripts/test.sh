@@ -66,11 +66,13 @@ side_log=$(mktemp)
 side=$!
 echo "== pytest (static checks and asyncio wire tests beside it, reported after)" >&2
 set +e
-# Two workers, one test file each at a time (--dist loadfile: a file's module fixtures, its
-# clusters, are built once). Most tests wait on the processes they start, so two files share
-# two cores well; each worker gets its own local-cluster port range (tests/conftest.py).
-# The slowest files go first, in tests/conftest.py's order (SLOW_MODULES), not xdist's.
-$V/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder "$@"
+# Three workers, one test file each at a time (--dist loadfile: a file's module fixtures, its
+# clusters, are built once). A cluster test keeps about one core busy (its pipeline's stages
+# take turns) and often waits on a heartbeat or a restart: on two cores two workers left a
+# fifth of the CPU idle, a third fills it. Each worker gets its own local-cluster port range
+# (tests/conftest.py). The slowest files go first, in tests/conftest.py's order
+# (SLOW_MODULES), not xdist's.
+$V/python -m pytest -n 3 --dist loadfile --no-loadscope-reorder "$@"
 rc=$?
 wait "$side"
 side_rc=$?

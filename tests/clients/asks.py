@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict
 
 #: a plain chat turn, and the tokens it may use (it is cut by max_tokens: the point is the shape)
 HELLO = "Say hello."
-CHAT_TOKENS = 8
+CHAT_TOKENS = 4
 #: a question the forced tool answers; enough tokens for the call {"city": "..."} to close
 WEATHER = "What is the weather in Paris?"
 TOOL_TOKENS = 40

@@ -98,21 +98,21 @@ def allowed(constraint: Constraint, vocab: int) -> set[int]:
     return {i for i, v in enumerate(row) if v != float("-inf")}
 
 
-def test_twenty_sampled_completions_all_parse_and_validate_against_the_schema(
+def test_eight_sampled_completions_all_parse_and_validate_against_the_schema(
     reference: Reference, compiler: GrammarCompiler
 ) -> None:
     ask = "Describe a person as JSON: name, age, role and their pets."
-    texts = sample_texts(reference, [compiler.json_schema(PERSON) for _ in range(20)], ask)
+    texts = sample_texts(reference, [compiler.json_schema(PERSON) for _ in range(8)], ask)
     for text in texts:
         jsonschema.validate(json.loads(text), PERSON)
-    assert len(set(texts)) > 10  # twenty draws, not one answer twenty times
+    assert len(set(texts)) > 4  # eight draws, not one answer eight times
 
 
 def test_json_object_mode_produces_a_json_object(
     reference: Reference, compiler: GrammarCompiler
 ) -> None:
     ask = 'Reply with a JSON object with one key, "title", naming a famous book.'
-    for text in sample_texts(reference, [compiler.json_object() for _ in range(3)], ask):
+    for text in sample_texts(reference, [compiler.json_object() for _ in range(2)], ask):
         assert isinstance(json.loads(text), dict)
 
 

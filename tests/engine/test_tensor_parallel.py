@@ -13,6 +13,7 @@ processes joined by the ring backend over loopback.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -35,8 +36,8 @@ QUESTION = "Tell me a story about a dragon."
 REPO = REPO_ROOT
 
 
-def ranks(tp: int, module_args: list[str], env: dict[str, str]) -> dict[str, Any]:
-    """Run ``tests.support.tp_rank_parity`` as ``tp`` ranks; rank 0's JSON."""
+def ranks(tp: int, module_args: list[str], env: dict[str, str]) -> list[dict[str, Any]]:
+    """Run ``tests.support.tp_rank_parity`` as ``tp`` ranks; rank 0's JSON, one per model."""
     with tempfile.TemporaryDirectory() as tmp:
         hosts = Path(tmp) / "hosts.json"
         hosts.write_text(hostfile([f"127.0.0.1:{free_port()}" for _ in range(tp)]))
@@ -58,21 +59,27 @@ def ranks(tp: int, module_args: list[str], env: dict[str, str]) -> dict[str, Any
         outs = [p.communicate(timeout=600) for p in procs]
     for p, (_, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err.decode()[-3000:]
-    return dict(json.loads(outs[0][0]))
+    return [dict(json.loads(line)) for line in outs[0][0].decode().splitlines() if line]
 
 
 def test_sharded_stages_equal_mlx_lms_own_tensor_parallel_run(
     tiny_model: Any, cli_env: dict[str, str]
 ) -> None:
-    """On tiny llama, qwen3 and deepseek_v3 (quantized) fixtures, 2 stages x 2 ranks."""
+    """On tiny llama, qwen3 and deepseek_v3 (quantized) fixtures, 2 stages x 2 ranks (one ring
+    runs the three models in turn)."""
     prompt = [1, 17, 42, 99, 7, 150, 3, 64]
-    for family in ("llama", "qwen3", "deepseek_v3"):
+    families = ("llama", "qwen3", "deepseek_v3")
+    models = []
+    for family in families:
         config, bits, _ = CASES[family]
         if family == "deepseek_v3":
             # Quantized in groups of 32: an expert 32 wide is one group no rank can halve.
             config = {**config, "moe_intermediate_size": 64}
-        model = tiny_model(f"tp-{family}", config, bits)
-        got = ranks(2, [str(model), "0-1,2-3", "2", "16", json.dumps(prompt)], cli_env)
+        models.append(str(tiny_model(f"tp-{family}", config, bits)))
+    args = [os.pathsep.join(models), "0-1,2-3", "2", "16", json.dumps(prompt)]
+    results = ranks(2, args, cli_env)
+    assert len(results) == len(families)
+    for family, got in zip(families, results, strict=True):
         assert len(got["theirs"]) == 16 and got["ours"] == got["theirs"], family
 
 

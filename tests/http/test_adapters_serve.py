@@ -23,13 +23,14 @@ from mlxppd.core.adapters import MLX_FILE, tensor_name
 from mlxppd.core.stage_tensors import layer_of
 from mlxppd.engine.stage_digest import safetensors_header
 from mlxppd.wire.secret import write_new_secret
-from tests.support.adapters import PIRATE, adapted_answers, random_adapter, train_adapter
+from tests.support.adapters import PIRATE, random_adapter, train_adapter
 from tests.support.clusters import RunningCluster, start_cluster, wait_gone
+from tests.support.references import answers_of, copy_of, load_reference
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 QUESTION = "Who wrote Hamlet?"
-TOKENS = 24
+TOKENS = 8  # every adapter already changes the answer in its first words
 MLXPPCTL = [sys.executable, "-m", "mlxppd.cli.mlxppctl_main"]
 
 
@@ -37,10 +38,11 @@ MLXPPCTL = [sys.executable, "-m", "mlxppd.cli.mlxppctl_main"]
 def adapters(tmp_path_factory: pytest.TempPathFactory, embedded_model_dir: Path) -> dict[str, Path]:
     """pirate: trained by mlx-lm's trainer (LoRA over every layer); robot: LoRA over every
     layer and third: DoRA over the last 8, both in mlx-lm's layout with random weights (a
-    trained one costs ~10 s of CPU, and serving does not depend on what it learned)."""
+    trained one costs ~10 s of CPU, and serving does not depend on what it learned). Three
+    iterations already put the pirate's "Arr, matey!" in the answer."""
     root = tmp_path_factory.mktemp("adapters")
     return {
-        "pirate": train_adapter(embedded_model_dir, root / "pirate", PIRATE, iters=6),
+        "pirate": train_adapter(embedded_model_dir, root / "pirate", PIRATE, iters=3),
         "robot": random_adapter(embedded_model_dir, root / "robot", num_layers=30, seed=1),
         "third": random_adapter(
             embedded_model_dir, root / "third", num_layers=8, seed=2, kind="dora"
@@ -50,12 +52,19 @@ def adapters(tmp_path_factory: pytest.TempPathFactory, embedded_model_dir: Path)
 
 @pytest.fixture(scope="module")
 def reference(embedded_model_dir: Path, adapters: dict[str, Path]) -> dict[str | None, str]:
-    """mlx-lm's greedy answer with each adapter (None: the base model)."""
-    out: dict[str | None, str] = {}
-    for name, path in [(None, None), *adapters.items()]:
-        out[name] = adapted_answers(embedded_model_dir, path, [(QUESTION, TOKENS)])[
-            (QUESTION, TOKENS)
-        ]
+    """mlx-lm's greedy answer with each adapter (None: the base model), the adapter unfused
+    (``load_adapters``, as ``tests.support.adapters.adapted_reference``) on a copy of the one
+    converted base model."""
+    from mlx_lm.tuner.utils import load_adapters
+
+    base, tokenizer = load_reference(embedded_model_dir)
+    ask = [(QUESTION, TOKENS)]
+    out: dict[str | None, str] = {None: answers_of(base, tokenizer, ask)[ask[0]]}
+    for name, path in adapters.items():
+        model = copy_of(embedded_model_dir, base)
+        load_adapters(model, str(path))
+        model.eval()
+        out[name] = answers_of(model, tokenizer, ask)[ask[0]]
     # Not vacuous: every adapter changes the answer, each its own way.
     assert len(set(out.values())) == len(out), out
     return out
@@ -77,10 +86,12 @@ def _per_layer_tensors(adapter: Path) -> dict[int, int]:
     return counts
 
 
-@pytest.mark.parametrize("stages", [2, 3])
 def test_generate_with_an_adapter_equals_mlx_lm_and_each_stage_reads_only_its_layers(
-    stages: int, adapters: dict[str, Path], reference: dict[str | None, str], model_cache: Path
+    adapters: dict[str, Path], reference: dict[str | None, str], model_cache: Path
 ) -> None:
+    # Three stages: the middle one's range is bounded on both sides (the served clusters
+    # below run two).
+    stages = 3
     cmd = [sys.executable, "-m", "mlxppd.cli.mlxppd_main", "generate", "--pp-size", str(stages)]
     cmd += ["--adapter", str(adapters["pirate"]), "-n", str(TOKENS), "--json", "-p", QUESTION]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(model_cache), timeout=600)
@@ -157,7 +168,7 @@ def test_two_adapters_and_the_base_model_answer_at_once_each_like_mlx_lm(
     running, _ = named
     models = [m["id"] for m in httpx.get(running.url + "/v1/models").json()["data"]]
     assert models == [embedded_model_dir.name, "pirate", "robot"]
-    asks = [None, "pirate", "robot"] * 2  # three at once, twice: they share micro-batches
+    asks = [None, "pirate", "robot"]  # three at once: they share micro-batches
     with ThreadPoolExecutor(len(asks)) as pool:
         answers = list(pool.map(lambda m: _chat(running.url, m), asks))
     assert answers == [reference[m] for m in asks]
@@ -182,8 +193,6 @@ def test_an_adapter_loaded_live_serves_at_once_and_an_unloaded_one_is_gone(
     assert re.search(
         r"loaded on 2 stages \(tensors read per stage: 0/(\d+), \1/\1\)", loaded.stdout
     )
-    assert _chat(running.url, "third") == reference["third"]
-    assert _chat(running.url, "pirate") == reference["pirate"]  # the others serve on
 
     assert _ctl(running, secret, "unload", "robot").returncode == 0
     models = [m["id"] for m in httpx.get(running.url + "/v1/models").json()["data"]]
@@ -197,7 +206,11 @@ def test_an_adapter_loaded_live_serves_at_once_and_an_unloaded_one_is_gone(
     assert refused.returncode == 1 and "has no adapter_config.json" in refused.stderr
     again = _ctl(running, secret, "load", "pirate", str(adapters["third"]))
     assert again.returncode == 1 and "'pirate' is loaded already; unload it first" in again.stderr
-    assert _chat(running.url, "pirate") == reference["pirate"]  # untouched
     listed = _ctl(running, secret, "list")
     assert "pirate:" in listed.stdout and "third:" in listed.stdout and "robot" not in listed.stdout
-    assert _chat(running.url, None) == reference[None]
+    # The loaded adapter serves, and the others serve on untouched (pirate, whose name the
+    # refused load asked for, and the base model), all at once.
+    asks = ["third", "pirate", None]
+    with ThreadPoolExecutor(len(asks)) as pool:
+        answers = list(pool.map(lambda m: _chat(running.url, m), asks))
+    assert answers == [reference[m] for m in asks]

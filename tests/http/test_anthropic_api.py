@@ -1,5 +1,6 @@
-"""The Anthropic Messages API, spoken by the official ``anthropic`` client (embedded model, two
-stages, api key): a message says what the chat completion of the same conversation says."""
+"""The Anthropic Messages API, spoken by the official ``anthropic`` client (embedded model, one
+in-process stage: the API's translation is the point here, not the pipeline; api key): a message
+says what the chat completion of the same conversation says."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ EVENT_END = ["content_block_stop", "message_delta", "message_stop"]
 
 @pytest.fixture(scope="module")
 def live(embedded_model_dir: Path) -> Iterator[LiveServer]:
-    server = LiveServer(embedded_model_dir, 2)
+    server = LiveServer(embedded_model_dir, 1)
     try:
         yield server
     finally:
@@ -68,6 +69,12 @@ def reference(base_url: str) -> Any:
     )
 
 
+@pytest.fixture(scope="module")
+def message(claude: anthropic.Anthropic) -> Any:
+    """``ask(claude)``: the plain message, asked once for the tests that compare with it."""
+    return ask(claude)
+
+
 def ask(claude: anthropic.Anthropic, extra: dict[str, Any] | None = None, **options: Any) -> Any:
     """SYSTEM + QUESTION at temperature 0, with ``options``; ``extra`` goes into the body as it
     is (this SDK no longer has parameters for temperature, top_p and top_k)."""
@@ -98,9 +105,8 @@ def raw_events(base_url: str, body: dict[str, Any]) -> list[tuple[str, dict[str,
 
 
 def test_a_message_at_temperature_0_says_what_the_chat_completion_says(
-    claude: anthropic.Anthropic, reference: Any
+    claude: anthropic.Anthropic, reference: Any, message: Any
 ) -> None:
-    message = ask(claude)
     choice = reference.choices[0]
     assert message.id.startswith("msg_")
     assert (message.type, message.role, message.model) == ("message", "assistant", MODEL)
@@ -118,7 +124,7 @@ def test_a_message_at_temperature_0_says_what_the_chat_completion_says(
 
 
 def test_a_streamed_message_is_the_message_in_anthropics_events(
-    claude: anthropic.Anthropic, base_url: str, reference: Any
+    claude: anthropic.Anthropic, base_url: str, reference: Any, message: Any
 ) -> None:
     text = reference.choices[0].message.content
     body = {"model": MODEL, "system": SYSTEM, "messages": QUESTION, "max_tokens": MAX_TOKENS}
@@ -140,7 +146,7 @@ def test_a_streamed_message_is_the_message_in_anthropics_events(
     assert all(piece["type"] == "text_delta" for piece in pieces)
     assert "".join(piece["text"] for piece in pieces) == text
     end = events[-2][1]
-    assert end["delta"] == {"stop_reason": ask(claude).stop_reason, "stop_sequence": None}
+    assert end["delta"] == {"stop_reason": message.stop_reason, "stop_sequence": None}
     assert end["usage"]["output_tokens"] == reference.usage.completion_tokens
 
     # The client's own stream helper assembles the same message.
@@ -267,7 +273,7 @@ def test_a_forced_tool_use_fits_its_schema_and_its_result_goes_back(
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
                                       "content": "sunny, 24 C"}]},
     ]  # fmt: skip
-    after = ask(claude, max_tokens=8, messages=follow, tools=[weather],
+    after = ask(claude, max_tokens=4, messages=follow, tools=[weather],
                 tool_choice={"type": "none"})  # fmt: skip
     assert after.stop_reason in ("end_turn", "max_tokens") and after.content[0].type == "text"
     with pytest.raises(anthropic.BadRequestError) as refused:

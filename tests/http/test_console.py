@@ -50,6 +50,7 @@ SHOTS = Path(os.environ.get("MLXPP_CONSOLE_SCREENSHOTS", REPO / "build" / "conso
 API_KEY = "sk-console-test"
 KV_BUDGET = 64 * 1024 * 1024
 QUESTION = "What is the capital of France?"
+ANSWER_TOKENS = 8  # enough to compare the answer with mlx-lm's
 STORY = "Tell me a long story about a dragon."
 DESKTOP = {"width": 1280, "height": 900}
 PHONE = {"width": 390, "height": 844}
@@ -81,7 +82,7 @@ class Console:
         assert response.status_code == 200, response.text
         return dict(response.json())
 
-    def chat(self, question: str = QUESTION, max_tokens: int = 16) -> str:
+    def chat(self, question: str = QUESTION, max_tokens: int = ANSWER_TOKENS) -> str:
         body = {
             "messages": [{"role": "user", "content": question}],
             "max_tokens": max_tokens,
@@ -125,7 +126,8 @@ def wait_health(page: Any, health: str, timeout_ms: float = 30_000) -> None:
 
 @pytest.fixture(scope="module")
 def reference(embedded_model_dir: Path) -> str:
-    return greedy_answers(embedded_model_dir, [(QUESTION, 16)])[(QUESTION, 16)]
+    ask = (QUESTION, ANSWER_TOKENS)
+    return greedy_answers(embedded_model_dir, [ask])[ask]
 
 
 @pytest.fixture(scope="module")
@@ -247,7 +249,7 @@ def test_a_healthy_cluster_shows_each_stage_with_its_layers_and_kv_bar(console: 
 
 def test_after_a_few_requests_the_tokens_chart_has_points(console: Console) -> None:
     page = console.page()
-    for _ in range(3):
+    for _ in range(2):
         console.chat()
     page.wait_for_function(
         "() => Number(document.querySelector('[data-testid=chart-tokens]').dataset.max) > 0",
@@ -297,10 +299,10 @@ def test_a_repartition_from_the_page_completes_and_the_cards_show_it(
 ) -> None:
     page = console.page()
     phone = console.page(viewport=PHONE, is_mobile=True, has_touch=True)
-    # A long answer in flight (a story does not end in 120 tokens of this model), so the
+    # A long answer in flight (a story does not end in 48 tokens of this model), so the
     # drain, and the page's progress bar, last a while.
     answers: list[str] = []
-    talker = threading.Thread(target=lambda: answers.append(console.chat(STORY, max_tokens=120)))
+    talker = threading.Thread(target=lambda: answers.append(console.chat(STORY, max_tokens=48)))
     talker.start()
     deadline = time.monotonic() + 120
     while console.state()["status"]["coordinator"]["in_flight"] == 0:

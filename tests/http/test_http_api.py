@@ -24,6 +24,8 @@ FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 POEM = [{"role": "user", "content": "Write a short poem about the sea."}]
 #: enough KV for a short chat (about 50 tokens) but not for a long prompt
 BUDGET_TOKENS = 100
+#: the poem is cut by max_tokens (finish_reason "length") after this many tokens
+POEM_TOKENS = 6
 
 
 @pytest.fixture(scope="module")
@@ -70,12 +72,27 @@ def chat(url: str, messages: list[dict[str, str]], **fields: Any) -> tuple[int, 
     return post(url, CHAT, {"messages": messages, "temperature": 0, **fields})
 
 
+@pytest.fixture(scope="module")
+def answer(urls: dict[int, str]) -> Any:
+    """``answer(stages, messages, max_tokens)``: the server's own greedy (status, body) for
+    one request on its own, asked once per module (every test comparing with it shares it)."""
+    cache: dict[tuple[int, str, int], tuple[int, Any]] = {}
+
+    def run(stages: int, messages: list[dict[str, str]], max_tokens: int) -> tuple[int, Any]:
+        key = (stages, json.dumps(messages), max_tokens)
+        if key not in cache:
+            cache[key] = chat(urls[stages], messages, max_tokens=max_tokens)
+        return cache[key]
+
+    return run
+
+
 # --- parity and streaming, on 1 and 2 stages ---
 
 
 @pytest.mark.parametrize("stages", [1, 2])
-def test_greedy_chat_equals_mlx_lm(urls: dict[int, str], reference: Any, stages: int) -> None:
-    status, body = chat(urls[stages], FRANCE, max_tokens=12)
+def test_greedy_chat_equals_mlx_lm(answer: Any, reference: Any, stages: int) -> None:
+    status, body = answer(stages, FRANCE, 12)
     assert status == 200, body
     assert body["choices"][0]["message"] == {
         "role": "assistant",
@@ -88,19 +105,21 @@ def test_greedy_chat_equals_mlx_lm(urls: dict[int, str], reference: Any, stages:
     assert body["model"] == "smollm2-135m"
     assert isinstance(body["created"], int)
 
-    status, body = chat(urls[stages], POEM, max_tokens=10)
+    status, body = answer(stages, POEM, POEM_TOKENS)
     assert status == 200, body
-    assert body["choices"][0]["message"]["content"] == reference(POEM, 10)
+    assert body["choices"][0]["message"]["content"] == reference(POEM, POEM_TOKENS)
     assert body["choices"][0]["finish_reason"] == "length"
     usage = body["usage"]
-    assert usage["completion_tokens"] == 10
-    assert usage["total_tokens"] == usage["prompt_tokens"] + 10
+    assert usage["completion_tokens"] == POEM_TOKENS
+    assert usage["total_tokens"] == usage["prompt_tokens"] + POEM_TOKENS
 
 
 @pytest.mark.parametrize("stages", [1, 2])
-def test_stream_deltas_concatenate_to_the_full_text(urls: dict[int, str], stages: int) -> None:
-    fields = {"messages": POEM, "temperature": 0, "max_tokens": 10}
-    _, whole = post(urls[stages], CHAT, fields)
+def test_stream_deltas_concatenate_to_the_full_text(
+    urls: dict[int, str], answer: Any, stages: int
+) -> None:
+    fields = {"messages": POEM, "temperature": 0, "max_tokens": POEM_TOKENS}
+    _, whole = answer(stages, POEM, POEM_TOKENS)  # the same request, not streamed
     status, events = stream(
         urls[stages], CHAT, {**fields, "stream_options": {"include_usage": True}}
     )
@@ -140,10 +159,10 @@ def test_stream_never_shows_part_of_a_stop_string(urls: dict[int, str]) -> None:
 
 
 def test_completions_stop_string_and_stream(urls: dict[int, str]) -> None:
-    fields = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+    fields = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
     _, plain = post(urls[1], COMPLETIONS, fields)
     text = plain["choices"][0]["text"]
-    assert text.startswith("Paris")
+    assert text.startswith("Paris") and "." in text  # the stop below has a "." to end at
     _, stopped = post(urls[1], COMPLETIONS, {**fields, "stop": ["."]})
     assert stopped["choices"][0]["text"] == text.split(".")[0]
     assert stopped["choices"][0]["finish_reason"] == "stop"
@@ -164,8 +183,9 @@ def test_chat_logprobs(urls: dict[int, str]) -> None:
         assert entry["logprob"] <= 0
         assert bytes(entry["bytes"]).decode() == entry["token"]
         assert entry["top_logprobs"] == []
+    # Streamed, each chunk carries its tokens' logprobs (the first 4 tokens show it).
     status, events = stream(
-        urls[1], CHAT, {"messages": FRANCE, "temperature": 0, "max_tokens": 12, "logprobs": True}
+        urls[1], CHAT, {"messages": FRANCE, "temperature": 0, "max_tokens": 4, "logprobs": True}
     )
     streamed = [
         e
@@ -173,52 +193,56 @@ def test_chat_logprobs(urls: dict[int, str]) -> None:
         if c["choices"] and c["choices"][0]["logprobs"]
         for e in c["choices"][0]["logprobs"]["content"]
     ]
-    assert [e["token"] for e in streamed] == [e["token"] for e in content]
+    assert [e["token"] for e in streamed] == [e["token"] for e in content][:4]
+    assert [e["logprob"] for e in streamed] == pytest.approx(
+        [e["logprob"] for e in content][:4], abs=1e-4
+    )
 
 
 def test_completions_logprobs_length_and_usage(
     urls: dict[int, str], servers: dict[int, LiveServer]
 ) -> None:
     prompt = "The capital of France is"
+    n = 4
     status, body = post(
-        urls[2], COMPLETIONS, {"prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 0}
+        urls[2], COMPLETIONS, {"prompt": prompt, "max_tokens": n, "temperature": 0, "logprobs": 0}
     )
     assert status == 200, body
     assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
     choice = body["choices"][0]
     assert choice["finish_reason"] == "length"
     logprobs = choice["logprobs"]
-    assert len(logprobs["tokens"]) == 6
+    assert len(logprobs["tokens"]) == n
     assert all(lp <= 0 for lp in logprobs["token_logprobs"])
     assert logprobs["text_offset"] == sorted(logprobs["text_offset"])
-    assert len(logprobs["top_logprobs"]) == 6
+    assert len(logprobs["top_logprobs"]) == n
     prompt_tokens = len(servers[2].backend.tokenizer.encode(prompt))
     assert body["usage"] == {
         "prompt_tokens": prompt_tokens,
-        "completion_tokens": 6,
-        "total_tokens": prompt_tokens + 6,
+        "completion_tokens": n,
+        "total_tokens": prompt_tokens + n,
         "prompt_tokens_details": {"cached_tokens": 0},  # the in-process backend keeps none
     }
     # A prompt given as token ids is the same prompt.
     ids = servers[2].backend.tokenizer.encode(prompt)
-    _, again = post(urls[2], COMPLETIONS, {"prompt": [ids], "max_tokens": 6, "temperature": 0})
+    _, again = post(urls[2], COMPLETIONS, {"prompt": [ids], "max_tokens": n, "temperature": 0})
     assert again["choices"][0]["text"] == choice["text"]
 
 
-def test_concurrent_requests_each_equal_their_own_single_result(urls: dict[int, str]) -> None:
-    prompts = [
-        [{"role": "user", "content": text}]
-        for text in ("Name a color.", "What is 2+2?", "Say hello.", "Name a fruit.")
-    ]
-    single = [
-        chat(urls[2], p, max_tokens=8)[1]["choices"][0]["message"]["content"] for p in prompts
-    ]
-    results: list[str | None] = [None] * len(prompts)
+def test_concurrent_requests_each_equal_their_own_single_result(
+    urls: dict[int, str], answer: Any
+) -> None:
+    # Two prompts of different lengths batched together, one ending at EOS and one cut by
+    # max_tokens; their single results are the parity test's (the same requests on their own).
+    asked = [(FRANCE, 12), (POEM, POEM_TOKENS)]
+    single = [answer(2, p, n)[1]["choices"][0]["message"]["content"] for p, n in asked]
+    results: list[str | None] = [None] * len(asked)
 
     def one(i: int) -> None:
-        results[i] = chat(urls[2], prompts[i], max_tokens=8)[1]["choices"][0]["message"]["content"]
+        prompt, n = asked[i]
+        results[i] = chat(urls[2], prompt, max_tokens=n)[1]["choices"][0]["message"]["content"]
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(asked))]
     for t in threads:
         t.start()
     for t in threads:
@@ -287,52 +311,54 @@ def test_bad_json_big_body_unknown_model_and_long_prompt(servers: dict[int, Live
 
 
 def test_kv_admission_rejection_is_a_400_when_it_can_never_fit_and_a_503_when_it_can_later(
-    embedded_model_dir: Path, servers: dict[int, LiveServer]
+    servers: dict[int, LiveServer], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    per_token = max(m.bytes_per_token for m in servers[2].backend.kv)
-    small = LiveServer(embedded_model_dir, 2, kv_budget_bytes=per_token * BUDGET_TOKENS)
+    # The 2-stage server's stages with a small KV budget for this test: the budget
+    # ``LiveServer(..., kv_budget_bytes=...)`` gives each stage's KV manager, set on the running
+    # server instead of loading the model again (restored when the test ends).
+    small = servers[2]
+    per_token = max(m.bytes_per_token for m in small.backend.kv)
+    assert kv_used(small) == [0, 0]
+    for manager in small.backend.kv:
+        monkeypatch.setattr(manager, "budget_bytes", per_token * BUDGET_TOKENS)
+    url = small.start_app()
+    long = [{"role": "user", "content": "Tell me about the sea. " * 30}]
+    for sender in (post, stream):
+        status, answer = sender(url, CHAT, {"messages": long, "max_tokens": 8})
+        if sender is stream:
+            answer = answer[0]
+        # More than the whole budget: retrying cannot help, so no Retry-After and a 400.
+        assert status == 400, answer
+        error = answer["error"]
+        assert error["code"] == "context_length_exceeded"
+        assert error["stage"] == 0
+        assert error["reason"] == "memory"
+        assert error["budget_bytes"] == per_token * BUDGET_TOKENS
+        assert error["used_bytes"] == 0
+        assert error["active_sequences"] == 0
+        assert error["required_bytes"] > error["budget_bytes"]
+    status, headers, _ = request(url, "POST", CHAT, {"messages": long, "max_tokens": 8})
+    assert status == 400 and "Retry-After" not in headers
+    # A request that fits an empty budget but not beside one holding most of it: a 503.
+    holder, response = open_stream(url, CHAT, {"messages": FRANCE, "max_tokens": 40})
     try:
-        url = small.start_app()
-        long = [{"role": "user", "content": "Tell me about the sea. " * 30}]
-        for sender in (post, stream):
-            status, answer = sender(url, CHAT, {"messages": long, "max_tokens": 8})
-            if sender is stream:
-                answer = answer[0]
-            # More than the whole budget: retrying cannot help, so no Retry-After and a 400.
-            assert status == 400, answer
-            error = answer["error"]
-            assert error["code"] == "context_length_exceeded"
-            assert error["stage"] == 0
-            assert error["reason"] == "memory"
-            assert error["budget_bytes"] == per_token * BUDGET_TOKENS
-            assert error["used_bytes"] == 0
-            assert error["active_sequences"] == 0
-            assert error["required_bytes"] > error["budget_bytes"]
-        status, headers, _ = request(url, "POST", CHAT, {"messages": long, "max_tokens": 8})
-        assert status == 400 and "Retry-After" not in headers
-        # A request that fits an empty budget but not beside one holding most of it: a 503.
-        holder, response = open_stream(url, CHAT, {"messages": FRANCE, "max_tokens": 40})
-        try:
-            assert response.status == 200
-            status, headers, body = request(
-                url, "POST", CHAT, {"messages": FRANCE, "max_tokens": 40}
-            )
-            assert status == 503, body
-            assert body["error"]["code"] == "kv_admission_rejected"
-            assert body["error"]["required_bytes"] <= body["error"]["budget_bytes"]
-            assert headers["Retry-After"] == "1"
-        finally:
-            holder.close()
-        # The server notices the closed stream and frees its KV; then the next one is served.
-        deadline = time.monotonic() + 60
-        while (answer := chat(url, FRANCE, max_tokens=8))[0] == 503:
-            assert time.monotonic() < deadline, answer
-            time.sleep(0.1)
-        status, body = answer
-        assert status == 200, body
-        assert body["choices"][0]["message"]["content"].startswith("The capital of France")
+        assert response.status == 200
+        status, headers, body = request(url, "POST", CHAT, {"messages": FRANCE, "max_tokens": 40})
+        assert status == 503, body
+        assert body["error"]["code"] == "kv_admission_rejected"
+        assert body["error"]["required_bytes"] <= body["error"]["budget_bytes"]
+        assert headers["Retry-After"] == "1"
     finally:
-        small.stop()
+        holder.close()
+    # The server notices the closed stream and frees its KV; then the next one is served.
+    deadline = time.monotonic() + 60
+    while (answer := chat(url, FRANCE, max_tokens=5))[0] == 503:
+        assert time.monotonic() < deadline, answer
+        time.sleep(0.1)
+    status, body = answer
+    assert status == 200, body
+    assert body["choices"][0]["message"]["content"].startswith("The capital of France")
+    assert kv_used(small) == [0, 0]
 
 
 def kv_used(server: LiveServer) -> list[int]:

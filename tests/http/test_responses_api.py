@@ -40,7 +40,7 @@ pytestmark = pytest.mark.slow
 KEY = "responses-key"
 MODEL = "smollm"
 QUESTION = "What is the capital of France?"
-MAX_TOKENS = 12
+MAX_TOKENS = 8
 WEATHER = {
     "type": "object",
     "properties": {"city": {"type": "string"}},
@@ -79,7 +79,7 @@ def test_a_response_says_what_a_chat_completion_says_and_streams_it(
     client: openai.OpenAI,
 ) -> None:
     chat = _chat(client, [{"role": "user", "content": QUESTION}])
-    response = _respond(client, input=QUESTION, metadata={"case": "plain"})
+    response = plain = _respond(client, input=QUESTION, metadata={"case": "plain"})
     assert response.id.startswith("resp_") and response.object == "response"
     assert response.status == "completed" and response.model == MODEL
     assert response.output_text == chat.choices[0].message.content
@@ -116,7 +116,6 @@ def test_a_response_says_what_a_chat_completion_says_and_streams_it(
                           "response.output_item.done", "response.completed"]  # fmt: skip
     assert [e.sequence_number for e in events] == list(range(len(events)))
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
-    plain = _respond(client, input=QUESTION)
     assert text == plain.output_text == events[-1].response.output_text
     assert events[-1].response.usage.output_tokens == plain.usage.output_tokens
 
@@ -223,7 +222,9 @@ def test_stored_responses_are_fetched_listed_continued_and_deleted(
     assert second.output_text == chat.choices[0].message.content
     assert second.usage.input_tokens == chat.usage.prompt_tokens
 
-    unstored = _respond(client, input=QUESTION, store=False)
+    unstored = client.responses.create(
+        model=MODEL, input=QUESTION, temperature=0, max_output_tokens=1, store=False
+    )
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unstored.id)
     deleted = client.responses.delete(first.id)

@@ -22,7 +22,7 @@ from tests.support.clusters import RunningCluster, start_cluster, wait_gone
 pytestmark = pytest.mark.slow
 
 MESSAGES = [{"role": "user", "content": "Tell me a story about a dragon."}]
-MAX_TOKENS = 16
+MAX_TOKENS = 8  # enough for every parameter below to change mlx-lm's greedy text
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +56,7 @@ def mlx_lm_reference(embedded_model_dir: Path) -> Any:
         return str(generate(model, tokenizer, prompt, max_tokens=MAX_TOKENS, **kw))
 
     reference.tokenizer = tokenizer  # type: ignore[attr-defined]
+    reference.model = model  # type: ignore[attr-defined]
     return reference
 
 
@@ -64,20 +65,27 @@ def ask(client: openai.OpenAI, **kw: Any) -> Any:
     return client.chat.completions.create(**{**args, **kw})
 
 
-def test_n_choices_come_back_independent_and_counted_once(client: openai.OpenAI) -> None:
-    greedy = ask(client, temperature=0).choices[0].message.content
+@pytest.fixture(scope="module")
+def greedy(client: openai.OpenAI) -> Any:
+    """The cluster's greedy answer to ``MESSAGES`` with its top logprobs (asked once, compared
+    with in several tests)."""
+    return ask(client, temperature=0, logprobs=True, top_logprobs=5)
+
+
+def test_n_choices_come_back_independent_and_counted_once(
+    client: openai.OpenAI, greedy: Any
+) -> None:
     same = ask(client, temperature=0, n=3)
     assert [c.index for c in same.choices] == [0, 1, 2]
-    assert {c.message.content for c in same.choices} == {greedy}
-    one = ask(client, temperature=0)
-    assert same.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counts once
-    assert same.usage.completion_tokens == 3 * one.usage.completion_tokens
+    assert {c.message.content for c in same.choices} == {greedy.choices[0].message.content}
+    assert same.usage.prompt_tokens == greedy.usage.prompt_tokens  # the prompt counts once
+    assert same.usage.completion_tokens == 3 * greedy.usage.completion_tokens
 
     sampled = ask(client, temperature=1.0, seed=11, n=3)
     texts = [c.message.content for c in sampled.choices]
     assert len(set(texts)) > 1, texts  # each choice draws its own tokens
-    assert [c.message.content for c in ask(client, temperature=1.0, seed=11, n=3).choices] == texts
-    # Choice 0 draws what a single request with the seed draws.
+    # Choice 0 draws what a single request with the seed draws; the same seed streamed
+    # (below) draws the same three again.
     assert ask(client, temperature=1.0, seed=11).choices[0].message.content == texts[0]
 
     stream = ask(client, temperature=1.0, seed=11, n=3, stream=True)
@@ -92,9 +100,9 @@ def test_n_choices_come_back_independent_and_counted_once(client: openai.OpenAI)
 
 
 def test_top_logprobs_come_sorted_with_the_chosen_token_first_when_greedy(
-    client: openai.OpenAI,
+    client: openai.OpenAI, greedy: Any
 ) -> None:
-    answer = ask(client, temperature=0, logprobs=True, top_logprobs=5)
+    answer = greedy
     content = answer.choices[0].logprobs.content
     assert len(content) == answer.usage.completion_tokens
     for entry in content:
@@ -107,8 +115,8 @@ def test_top_logprobs_come_sorted_with_the_chosen_token_first_when_greedy(
     assert "top_logprobs needs logprobs" in str(refused.value)
 
 
-def test_stop_takes_a_list(client: openai.OpenAI) -> None:
-    full = ask(client, temperature=0).choices[0].message.content
+def test_stop_takes_a_list(client: openai.OpenAI, greedy: Any) -> None:
+    full = greedy.choices[0].message.content
     words = full.split()
     cut = ask(client, temperature=0, stop=["zzz", words[2]]).choices[0]
     assert cut.finish_reason == "stop"
@@ -116,11 +124,12 @@ def test_stop_takes_a_list(client: openai.OpenAI) -> None:
 
 
 def test_each_sampling_parameter_does_what_mlx_lms_does(
-    client: openai.OpenAI, mlx_lm_reference: Any
+    client: openai.OpenAI, mlx_lm_reference: Any, greedy: Any
 ) -> None:
-    from mlx_lm.sample_utils import make_logits_processors, make_sampler
+    from mlx_lm.sample_utils import make_logits_processors
 
-    greedy = mlx_lm_reference()
+    assert greedy.choices[0].message.content == mlx_lm_reference()
+    greedy = greedy.choices[0].message.content
     first = mlx_lm_reference.tokenizer.encode(greedy, add_special_tokens=False)[0]
     cases: list[tuple[dict[str, Any], dict[str, Any]]] = [
         ({"extra_body": {"repetition_penalty": 1.5}}, {"repetition_penalty": 1.5}),
@@ -136,23 +145,20 @@ def test_each_sampling_parameter_does_what_mlx_lms_does(
         changed.append(got != greedy)
     # Not vacuous: the bias removes greedy's first token, and the penalties change the text.
     assert changed[-1] and sum(changed) >= 3, changed
-    # Sampling cases that keep one token: mlx-lm's sampler with them is greedy, and so is ours.
+    # Sampling cases that keep one token: mlx-lm's sampler with them (make_sampler's top_k=1,
+    # min_p=1.0, a tiny top_p) keeps only the most likely token, so it is greedy, and so is ours.
     for extra in ({"top_k": 1}, {"min_p": 1.0}):
-        theirs = make_sampler(temp=1.0, **extra)
-        assert mlx_lm_reference(sampler=theirs) == greedy
         got = ask(client, temperature=1.0, seed=3, extra_body=extra).choices[0].message.content
         assert got == greedy, extra
     assert ask(client, temperature=1.0, seed=3, top_p=1e-6).choices[0].message.content == greedy
 
 
 def test_a_chats_next_turns_reuse_the_kept_prefix_and_answer_the_same(
-    client: openai.OpenAI, mlx_lm_reference: Any, embedded_model_dir: Path
+    client: openai.OpenAI, mlx_lm_reference: Any
 ) -> None:
     from mlx_lm import generate
 
-    from tests.support.references import load_reference
-
-    model, tokenizer = load_reference(embedded_model_dir)
+    model, tokenizer = mlx_lm_reference.model, mlx_lm_reference.tokenizer
     messages: list[dict[str, str]] = []
     cached = []
     for question in ("Describe a quiet forest at dawn.", "Make it shorter.", "Give it a title."):
@@ -195,21 +201,17 @@ def test_a_named_tool_choice_returns_a_call_that_fits_the_schema(client: openai.
     import jsonschema
 
     choice = {"type": "function", "function": {"name": "get_weather"}}
-    for seed in range(3):
-        answer = ask(
-            client, messages=ASK_WEATHER, tools=[WEATHER], tool_choice=choice, temperature=1.0,
-            seed=seed, max_tokens=64,
-        )  # fmt: skip
-        assert answer.choices[0].finish_reason == "tool_calls"
-        (call,) = answer.choices[0].message.tool_calls
-        assert call.function.name == "get_weather" and call.id.startswith("call_")
-        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
-    # Streamed: the tool-call deltas assemble to the same call (greedy).
-    plain = ask(client, messages=ASK_WEATHER, tools=[WEATHER], tool_choice=choice,
-                temperature=0, max_tokens=64).choices[0].message.tool_calls[0]  # fmt: skip
+    # Sampled (temperature 1): the constraint, not the model's luck, makes the call fit.
+    kw: dict[str, Any] = {"messages": ASK_WEATHER, "tools": [WEATHER], "tool_choice": choice,
+                          "temperature": 1.0, "seed": 0, "max_tokens": 64}  # fmt: skip
+    answer = ask(client, **kw)
+    assert answer.choices[0].finish_reason == "tool_calls"
+    (plain,) = answer.choices[0].message.tool_calls
+    assert plain.function.name == "get_weather" and plain.id.startswith("call_")
+    jsonschema.validate(json.loads(plain.function.arguments), WEATHER["function"]["parameters"])
+    # Streamed with the same seed: the tool-call deltas assemble to the same call.
     names, arguments, finish = "", "", None
-    stream = ask(client, messages=ASK_WEATHER, tools=[WEATHER], tool_choice=choice,
-                 temperature=0, max_tokens=64, stream=True)  # fmt: skip
+    stream = ask(client, **kw, stream=True)
     for chunk in stream:
         for c in chunk.choices:
             for delta in c.delta.tool_calls or ():
@@ -260,15 +262,15 @@ def test_json_schema_output_always_parses_and_validates(client: openai.OpenAI) -
     assert isinstance(json.loads(answer.message.content), dict)
 
     def sample(seed: int) -> list[str]:
-        answer = ask(client, messages=messages, response_format=fmt, temperature=1.0, n=10,
+        answer = ask(client, messages=messages, response_format=fmt, temperature=1.0, n=5,
                      seed=seed, max_tokens=64)  # fmt: skip
         return [c.message.content for c in answer.choices]
 
-    # 100 samples at temperature 1: ten requests of ten choices, five at a time (the stages
-    # decode them in shared batches, as a loaded server does).
-    with ThreadPoolExecutor(max_workers=5) as pool:
-        outputs = [text for texts in pool.map(sample, range(10)) for text in texts]
-    assert len(outputs) == 100
+    # 10 samples at temperature 1: two requests of five choices, at once (the stages decode
+    # them in shared batches, as a loaded server does).
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        outputs = [text for texts in pool.map(sample, range(2)) for text in texts]
+    assert len(outputs) == 10
     for text in outputs:
         try:
             jsonschema.validate(json.loads(text), schema)
@@ -277,14 +279,14 @@ def test_json_schema_output_always_parses_and_validates(client: openai.OpenAI) -
 
 
 def test_the_anthropic_client_gets_a_message_a_stream_and_a_tool_use(
-    cluster: RunningCluster, client: openai.OpenAI
+    cluster: RunningCluster, greedy: Any
 ) -> None:
     import anthropic
 
     claude = anthropic.Anthropic(base_url=cluster.url, api_key="none", max_retries=0, timeout=300)
     base = {"model": "x", "max_tokens": MAX_TOKENS, "messages": MESSAGES}
     message = claude.messages.create(**base, extra_body={"temperature": 0})
-    expected = ask(client, temperature=0).choices[0].message.content
+    expected = greedy.choices[0].message.content
     assert message.content[0].text == expected and message.stop_reason == "max_tokens"
     with claude.messages.stream(**base, extra_body={"temperature": 0}) as stream:
         assert "".join(stream.text_stream) == expected

@@ -66,15 +66,28 @@ def chat_call(chat: openai.OpenAI, max_tokens: int, **extra: Any) -> Any:
     )
 
 
-def test_the_whole_call_parses_when_nothing_cuts_it(chat: openai.OpenAI) -> None:
-    whole = chat_call(chat, 64).choices[0]
+@pytest.fixture(scope="module")
+def whole(chat: openai.OpenAI) -> Any:
+    """The forced call, greedy, with room to finish (asked once for the module)."""
+    return chat_call(chat, 64).choices[0]
+
+
+@pytest.fixture(scope="module")
+def cut_choice(chat: openai.OpenAI) -> Any:
+    """The forced call, greedy, cut after ``CUT`` tokens (asked once for the module)."""
+    return chat_call(chat, CUT).choices[0]
+
+
+def test_the_whole_call_parses_when_nothing_cuts_it(whole: Any) -> None:
     assert whole.finish_reason == "tool_calls"
     arguments = json.loads(whole.message.tool_calls[0].function.arguments)
     assert {"city", "unit"} <= set(arguments)
 
 
-def test_openai_chat_returns_the_cut_call_with_finish_reason_length(chat: openai.OpenAI) -> None:
-    choice = chat_call(chat, CUT).choices[0]
+def test_openai_chat_returns_the_cut_call_with_finish_reason_length(
+    cut_choice: Any, whole: Any
+) -> None:
+    choice = cut_choice
     assert choice.finish_reason == "length"
     assert choice.message.content is None
     (call,) = choice.message.tool_calls
@@ -82,13 +95,14 @@ def test_openai_chat_returns_the_cut_call_with_finish_reason_length(chat: openai
     assert call.function.arguments.startswith("{")
     with pytest.raises(ValueError):
         json.loads(call.function.arguments)  # cut: it is not whole
-    whole = chat_call(chat, 64).choices[0].message.tool_calls[0].function.arguments
-    assert whole.startswith(call.function.arguments)  # what came is what the whole one begins with
+    whole_arguments = whole.message.tool_calls[0].function.arguments
+    # What came is what the whole one begins with.
+    assert whole_arguments.startswith(call.function.arguments)
 
 
-def test_openai_chat_streams_the_cut_call_and_no_text(chat: openai.OpenAI) -> None:
+def test_openai_chat_streams_the_cut_call_and_no_text(chat: openai.OpenAI, cut_choice: Any) -> None:
     chunks = list(chat_call(chat, CUT, stream=True))
-    plain = chat_call(chat, CUT).choices[0]
+    plain = cut_choice
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert all(not d.content for d in deltas)
     calls = [t for d in deltas for t in d.tool_calls or ()]
@@ -120,22 +134,29 @@ def anthropic_call(messages: anthropic.Anthropic, max_tokens: int) -> anthropic.
     return messages.messages.create(**anthropic_ask(max_tokens))
 
 
+@pytest.fixture(scope="module")
+def anthropic_cut(messages: anthropic.Anthropic) -> anthropic.types.Message:
+    """The forced call through the Messages API, cut after ``CUT`` tokens (asked once)."""
+    return anthropic_call(messages, CUT)
+
+
 def test_anthropic_returns_the_cut_call_as_tool_use_with_max_tokens(
-    messages: anthropic.Anthropic,
+    anthropic_cut: anthropic.types.Message, whole: Any
 ) -> None:
-    whole = anthropic_call(messages, 64)
-    assert whole.stop_reason == "tool_use"
-    cut = anthropic_call(messages, CUT)
+    # (An uncut Messages tool call, stop_reason "tool_use": tests/http/test_sampling_api.py.)
+    cut = anthropic_cut
     assert cut.stop_reason == "max_tokens"
     assert [b.type for b in cut.content] == ["tool_use"]
     block = cut.content[0]
     assert block.type == "tool_use" and block.name == "get_weather"
     assert isinstance(block.input, dict)
-    assert set(block.input) <= set(whole.content[-1].input)  # type: ignore[union-attr]
+    assert set(block.input) <= set(json.loads(whole.message.tool_calls[0].function.arguments))
 
 
-def test_anthropic_streams_the_cut_call_as_tool_use(messages: anthropic.Anthropic) -> None:
-    plain = anthropic_call(messages, CUT)
+def test_anthropic_streams_the_cut_call_as_tool_use(
+    messages: anthropic.Anthropic, anthropic_cut: anthropic.types.Message
+) -> None:
+    plain = anthropic_cut
     with messages.messages.stream(**anthropic_ask(CUT)) as stream:
         final = stream.get_final_message()
     assert final.stop_reason == "max_tokens"

@@ -26,6 +26,8 @@ pytestmark = pytest.mark.slow
 
 MLXPPD = str(VENV_BIN / "mlxppd")
 QUESTION = "What is the capital of France?"
+#: tokens of each answer compared with mlx-lm's
+TOKENS = 8
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +157,7 @@ needs_netns = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def reference(embedded_model_dir: Path) -> str:
-    return greedy_answers(embedded_model_dir, [(QUESTION, 16)])[(QUESTION, 16)]
+    return greedy_answers(embedded_model_dir, [(QUESTION, TOKENS)])[(QUESTION, TOKENS)]
 
 
 @pytest.fixture
@@ -253,8 +255,12 @@ def test_bring_up_answers_like_mlx_lm(
         for address in (a1, a2):
             assert f"peer {address}:19001 runs mlxpp {__version__}, wire protocol" in checked.stdout
     # The static bring-up also serves an adapter: the peers get it in the TOML they are given.
-    adapter = random_adapter(embedded_model_dir, procs.root / "zc-adapter")
-    extra = ["--adapter", f"zc={adapter}"] if discovery == "static" else []
+    adapter = (
+        random_adapter(embedded_model_dir, procs.root / "zc-adapter")
+        if discovery == "static"
+        else None
+    )
+    extra = ["--adapter", f"zc={adapter}"] if adapter is not None else []
     coordinator = procs.start(
         hosts, 0, "coordinator", cli_env,
         "--pp-auto", "2", "--cluster-secret-file", str(secret), *found,
@@ -262,13 +268,14 @@ def test_bring_up_answers_like_mlx_lm(
         "--ready-file", str(ready), *extra,
     )  # fmt: skip
     wait_file(ready, coordinator, procs.log("coordinator"))
-    answer = in_host_python(hosts, 0, CHAT, f"http://{a0}:8080", QUESTION, "16")
+    answer = in_host_python(hosts, 0, CHAT, f"http://{a0}:8080", QUESTION, str(TOKENS))
     assert answer["status"] == 200, answer
     assert answer["body"]["choices"][0]["message"]["content"] == reference
-    if extra:
-        adapted = adapted_answers(embedded_model_dir, adapter, [(QUESTION, 16)])[(QUESTION, 16)]
+    if adapter is not None:
+        asks = [(QUESTION, TOKENS)]
+        adapted = adapted_answers(embedded_model_dir, adapter, asks)[(QUESTION, TOKENS)]
         assert adapted != reference  # not vacuous
-        answer = in_host_python(hosts, 0, CHAT, f"http://{a0}:8080", QUESTION, "16", "zc")
+        answer = in_host_python(hosts, 0, CHAT, f"http://{a0}:8080", QUESTION, str(TOKENS), "zc")
         assert answer["body"]["choices"][0]["message"]["content"] == adapted, answer
     plan = (procs.root / ".mlxpp" / "cluster.toml").read_text()
     # Each peer holds the very bytes the coordinator planned, under its own node id.

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from mlxppd.wire.secret import write_new_secret
-from tests.support.agents import VENV_BIN, AgentProcess, Hosts, start_agent, wait_for_status
+from tests.support.agents import AgentProcess, Hosts, start_agent, wait_for_status
+from tests.support.ctl_runner import CtlRunner
 
 HTTP_PORT = 8080
 QUESTIONS = [
@@ -153,6 +154,8 @@ class Cluster:
         self.hosts, self.root, self.env = hosts, root, env
         self.agents: dict[int, AgentProcess] = {}
         self.url = f"http://{hosts.addresses[0]}:{HTTP_PORT}"
+        #: reads the status and metrics from the coordinator's host, one process for all polls
+        self.reader = CtlRunner(hosts.names[0])
 
     def config_dir(self, host: int) -> Path:
         return self.root / f"host{host}" / "etc"
@@ -162,14 +165,17 @@ class Cluster:
         self.agents[host] = agent
         return agent
 
-    def restart(self, host: int) -> AgentProcess:
-        """Start host ``host``'s agent again, once its killed one is gone (as systemd's
-        Restart=on-failure does), and wait until it is ready."""
-        self.agents[host].process.wait(30)
-        self.agents[host].notify.close()
-        agent = self.start(host)
-        agent.notify.wait_for("READY", timeout=300)
-        return agent
+    def restart(self, host: int, *more: int) -> AgentProcess:
+        """Start host ``host``'s agent (and those of hosts ``more``, all at once) again, once
+        its killed one is gone (as systemd's Restart=on-failure does), and wait until each is
+        ready; host ``host``'s agent."""
+        for each in (host, *more):
+            self.agents[each].process.wait(30)
+            self.agents[each].notify.close()
+        started = [self.start(each) for each in (host, *more)]
+        for agent in started:
+            agent.notify.wait_for("READY", timeout=300)
+        return started[0]
 
     def logs(self) -> str:
         return "\n".join(f"--- host {h}\n{a.log()[-3000:]}" for h, a in self.agents.items())
@@ -202,19 +208,14 @@ class Cluster:
         return proc, stop
 
     def status(self) -> dict[str, Any]:
-        done = self.hosts.run(
-            0, str(VENV_BIN / "mlxppctl"), "status", "--json",
-            "--config-dir", str(self.config_dir(0)),
-        )  # fmt: skip
+        """``mlxppctl status --json`` on the coordinator's host."""
+        done = self.reader.ctl("status", "--json", "--config-dir", str(self.config_dir(0)))
         assert done.returncode in (0, 1), done.stderr
         document: dict[str, Any] = json.loads(done.stdout)
         return document
 
     def metrics(self) -> str:
-        return self.hosts.run(
-            0, sys.executable, "-c", "import httpx, sys; print(httpx.get(sys.argv[1]).text)",
-            f"{self.url}/metrics",
-        ).stdout  # fmt: skip
+        return self.reader.get(f"{self.url}/metrics")
 
     def wait_status(self, predicate: Any, timeout: float = 240) -> dict[str, Any]:
         return wait_for_status(self.status, predicate, timeout, self.logs)
@@ -275,6 +276,7 @@ def running_cluster(
         for agent in running.agents.values():
             with_cont(agent)
             agent.stop(timeout=60)
+        running.reader.close()
         hosts.destroy()
         assert all(_gone(pid) for pid in pids), "an agent outlived the test"
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,6 +22,7 @@ from tests.support.agents import (
     start_agent,
     wait_for_status,
 )
+from tests.support.ctl_runner import CtlRunner
 
 QUESTION = "What is the capital of France?"
 HTTP_PORT = 8080
@@ -42,6 +42,8 @@ class Cluster:
         self.hosts, self.root, self.env = hosts, root, env
         self.agents: list[AgentProcess] = []
         self.url = f"http://{hosts.addresses[0]}:{HTTP_PORT}"
+        #: reads the status from the coordinator's host, one process for all polls
+        self.reader = CtlRunner(hosts.names[0])
 
     def config_dir(self, i: int) -> Path:
         return self.root / f"host{i}" / "etc"
@@ -70,7 +72,8 @@ class Cluster:
         ]  # fmt: skip
 
     def status(self) -> dict[str, Any]:
-        done = subprocess.run(self.ctl("status", "--json"), capture_output=True, text=True)
+        """``mlxppctl status --json`` on the coordinator's host ({}: it is (re)starting)."""
+        done = self.reader.ctl("status", "--json", "--config-dir", str(self.config_dir(0)))
         assert done.returncode in (0, 1, 3), done.stderr
         if done.returncode == 3:  # the coordinator's agent is (re)starting
             return {}
@@ -91,10 +94,10 @@ class Cluster:
         result: dict[str, Any] = in_host_python(self.hosts, 0, code, self.url + path)
         return result
 
-    def chat(self, model: str | None = None) -> dict[str, Any]:
+    def chat(self, model: str | None = None, max_tokens: int = 16) -> dict[str, Any]:
         extra = [model] if model else []
         result: dict[str, Any] = in_host_python(
-            self.hosts, 0, CHAT, self.url, QUESTION, "16", *extra
+            self.hosts, 0, CHAT, self.url, QUESTION, str(max_tokens), *extra
         )
         return result
 
@@ -136,4 +139,5 @@ def prepare_cluster(root: Path, models: list[Path]) -> Iterator[Cluster]:
     finally:
         for agent in running.agents:
             agent.stop(timeout=30)
+        running.reader.close()
         hosts.destroy()

@@ -80,3 +80,15 @@ def answers_of(
         )
         out[(question, max_tokens)] = str(generate(model, tokenizer, prompt, max_tokens=max_tokens))
     return out
+
+
+def copy_of(model_dir: Path, held: Any) -> Any:
+    """A new mlx-lm model of ``model_dir`` holding ``held``'s (already converted) arrays, for
+    references that change the module tree (``load_adapters``) without converting the
+    checkpoint again (about 3 s of CPU for the embedded model)."""
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(model_dir, lazy=True)
+    held_as(model, served_weights(model_dir))
+    model.update(held.parameters())
+    return model

@@ -4,11 +4,13 @@ twice on this rank's shard, by mlxpp's stages (``--pp-layers``, each ``shard_sta
 mlx-lm's own model with its own ``shard()``. Rank 0 prints ``{"ours": [...], "theirs": [...]}``.
 
 Arguments: MODEL_DIR PP_LAYERS TP MAX_TOKENS PROMPT_IDS_JSON [theirs] (theirs: mlx-lm's run
-only, for a test that gets its own side from ``mlxppd generate``)."""
+only, for a test that gets its own side from ``mlxppd generate``). MODEL_DIR may name several
+models joined by ``os.pathsep``: one ring runs them in turn, rank 0 printing a line for each."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -25,10 +27,17 @@ from tests.support.references import load_reference_model, served_weights
 
 
 def main() -> None:
-    model_dir, layers, tp, count, prompt = (
-        Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5])
+    model_dirs, layers, tp, count, prompt = (
+        sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5])
     )  # fmt: skip
     group = init_group(tp)
+    for model_dir in model_dirs.split(os.pathsep):
+        run(Path(model_dir), layers, group, count, prompt)
+
+
+def run(
+    model_dir: Path, layers: str, group: mx.distributed.Group, count: int, prompt: list[int]
+) -> None:
     config = read_model_config(model_dir)
     weights = served_weights(model_dir)
     specs = stage_specs(parse_pp_layers(layers, int(config["num_hidden_layers"])))

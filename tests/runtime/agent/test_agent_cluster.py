@@ -38,6 +38,8 @@ if _WHY is not None:
 QUESTION = "What is the capital of France?"
 SECOND = "Tell me a story about a dragon."
 HTTP_PORT = 8080
+#: greedy tokens per answer compared with mlx-lm's (a parity check needs no more)
+TOKENS = 8
 
 CLUSTER = """\
 [cluster]
@@ -57,10 +59,11 @@ def tuned(tmp_path_factory: pytest.TempPathFactory, embedded_model_dir: Path) ->
 
 @pytest.fixture(scope="module")
 def reference(embedded_model_dir: Path, tuned: Path) -> dict[str, str]:
-    """Single-process mlx-lm's greedy answers (16 tokens; "tuned": with the adapter)."""
-    answers = greedy_answers(embedded_model_dir, [(q, 16) for q in (QUESTION, SECOND)])
+    """Single-process mlx-lm's greedy answers (TOKENS tokens; "tuned": with the adapter)."""
+    answers = greedy_answers(embedded_model_dir, [(q, TOKENS) for q in (QUESTION, SECOND)])
     out = {q: answer for (q, _), answer in answers.items()}
-    out["tuned"] = adapted_answers(embedded_model_dir, tuned, [(QUESTION, 16)])[(QUESTION, 16)]
+    tuned_answers = adapted_answers(embedded_model_dir, tuned, [(QUESTION, TOKENS)])
+    out["tuned"] = tuned_answers[(QUESTION, TOKENS)]
     assert out["tuned"] != out[QUESTION]  # not vacuous
     return out
 
@@ -77,7 +80,9 @@ class Cluster:
             tmp.write_text(text)
             os.replace(tmp, agent.config_dir / "cluster.toml")
 
-    def chat(self, question: str, max_tokens: int = 16, model: str | None = None) -> dict[str, Any]:
+    def chat(
+        self, question: str, max_tokens: int = TOKENS, model: str | None = None
+    ) -> dict[str, Any]:
         args = [question, str(max_tokens), *([model] if model else [])]
         result: dict[str, Any] = in_host_python(self.hosts, 0, CHAT, self.url, *args)
         return result
@@ -278,7 +283,7 @@ def test_sigterm_during_a_stream_finishes_it_then_exits_zero(
         STREAM_AND_SIGNAL,
         cluster.url,
         QUESTION,
-        "16",
+        str(TOKENS),
         f"{coordinator.process.pid},{stage.process.pid}",
     )
     assert result["signalled"] and result["done"], result
