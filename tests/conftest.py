@@ -56,6 +56,7 @@ SLOW_MODULES = (
     "test_stage_parity.py",
     "test_early_close.py",
     "test_prepare_cluster.py",
+    "test_https.py",
     "test_instructor.py",
     "test_anthropic_api.py",
     "test_recovery_cascade.py",

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from mlxppd.app.api_app import api_app
-from mlxppd.app.http_site import http_url, start_site
+from mlxppd.app.http_site import http_url, server_context, start_site
 from mlxppd.core.agent.plan import CoordinatorTarget
 from mlxppd.core.cpu_weights import float32_config
 from mlxppd.core.profile.model import profile_from_config
@@ -62,8 +62,9 @@ async def start_agent_http(
         metrics_route=context.host.metrics,
         admin=admin,
     )
-    runner, port = await start_site(app, target.http_host, target.http_port)
-    url = http_url(target.http_host, port)
+    tls = server_context(target.tls) if target.tls is not None else None
+    runner, port = await start_site(app, target.http_host, target.http_port, tls=tls)
+    url = http_url(target.http_host, port, tls=tls is not None)
     log.info("coordinator: OpenAI API on %s/v1, admin API on %s/admin/v1", url, url)
     log.info("coordinator: web console on %s/console", url)
     runtime.timeline.mark(f"HTTP API and console listening on {url}")

@@ -11,6 +11,10 @@ filled; an idle keep-alive connection closes after ``keepalive_timeout_s``; an a
 request's unread body is read and dropped for ``linger_s``, then the connection closes. A
 request being handled is never cut for taking its time. What is cut is counted
 (``HttpGuardStats``, and the app's metrics when it has them) and never logged as a traceback.
+
+With a ``tls`` context the listener serves HTTPS (``mlxppd.core.config.tls``): the guard sits
+above the TLS layer, so every deadline above counts decrypted bytes, and the handshake itself
+must finish within ``header_timeout_s``.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, fields
 from typing import Any, cast
@@ -25,9 +30,18 @@ from typing import Any, cast
 from aiohttp import streams, web
 
 from mlxppd.core.config.addresses import join_host_port
+from mlxppd.core.config.tls import MAKE_ONE, TlsFiles, check_tls_files
+from mlxppd.core.errors import ConfigurationError
 from mlxppd.http.base_app import BodyDeadline, cut_counter, note_listener
 
-__all__ = ["BodyDeadline", "HttpGuardStats", "HttpLimits", "http_url", "start_site"]
+__all__ = [
+    "BodyDeadline",
+    "HttpGuardStats",
+    "HttpLimits",
+    "http_url",
+    "server_context",
+    "start_site",
+]
 
 log = logging.getLogger("mlxppd.http")
 
@@ -230,9 +244,17 @@ class _AtCapacity(asyncio.Protocol):
 
 
 class _GuardedSite(web.TCPSite):
-    def __init__(self, runner: web.AppRunner, host: str, port: int, guard: _Guard) -> None:
-        super().__init__(runner, host, port)
+    def __init__(
+        self,
+        runner: web.AppRunner,
+        host: str,
+        port: int,
+        guard: _Guard,
+        tls: ssl.SSLContext | None,
+    ) -> None:
+        super().__init__(runner, host, port, ssl_context=tls)
         self._guard = guard
+        self._tls = tls
 
     async def start(self) -> None:
         await web.BaseSite.start(self)
@@ -248,7 +270,14 @@ class _GuardedSite(web.TCPSite):
 
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
-            connection, self._host, self._port, backlog=self._backlog, reuse_address=True
+            connection,
+            self._host,
+            self._port,
+            backlog=self._backlog,
+            reuse_address=True,
+            ssl=self._tls,
+            # A handshake that dawdles holds a connection as a slow request head would.
+            ssl_handshake_timeout=guard.limits.header_timeout_s if self._tls else None,
         )
 
 
@@ -275,10 +304,11 @@ async def start_site(
     port: int,
     limits: HttpLimits | None = None,
     stats: HttpGuardStats | None = None,
+    tls: ssl.SSLContext | None = None,
 ) -> tuple[web.AppRunner, int]:
     """Serve ``app`` on ``host:port`` within ``limits``, counting what it turns away into
-    ``stats``; returns its runner (``cleanup()`` stops it) and the port bound (port 0 asks the
-    OS for a free one)."""
+    ``stats``, over TLS with ``tls``; returns its runner (``cleanup()`` stops it) and the port
+    bound (port 0 asks the OS for a free one)."""
     guard = _Guard(limits or HttpLimits(), stats or HttpGuardStats(), metric=cut_counter(app))
     app.middlewares.insert(0, _middleware(guard))
     note_listener(app, host)
@@ -289,12 +319,36 @@ async def start_site(
         lingering_time=guard.limits.linger_s,
     )
     await runner.setup()
-    site = _GuardedSite(runner, host, port, guard)
+    site = _GuardedSite(runner, host, port, guard, tls)
     await site.start()
     server: Any = site._server
     sockets = server.sockets if server is not None else []
     return runner, int(sockets[0].getsockname()[1]) if sockets else port
 
 
-def http_url(host: str, port: int) -> str:
-    return f"http://{join_host_port(host, port)}"
+def server_context(files: TlsFiles) -> ssl.SSLContext:
+    """The TLS context of a listener serving ``files``: TLS 1.2 minimum (1.3 whenever the client
+    offers it: OpenSSL picks the highest both speak), HTTP/1.1; a bad file is a
+    ConfigurationError naming it and the fix."""
+    check_tls_files(files)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.set_alpn_protocols(["http/1.1"])
+    try:
+        # ssl reads only from paths: the files just checked, read again (no passphrase prompt).
+        context.load_cert_chain(files.cert, files.key, password=_no_passphrase)
+    except (ssl.SSLError, OSError, ConfigurationError) as exc:
+        raise ConfigurationError(
+            f"OpenSSL refused the TLS certificate {files.cert} with the key {files.key} "
+            f"({getattr(exc, 'reason', None) or exc}); check both files ({MAKE_ONE})"
+        ) from None
+    return context
+
+
+def _no_passphrase() -> str:
+    raise ConfigurationError("the key is encrypted")
+
+
+def http_url(host: str, port: int, *, tls: bool = False) -> str:
+    """The listener's base URL: https:// when it serves TLS."""
+    return f"{'https' if tls else 'http'}://{join_host_port(host, port)}"

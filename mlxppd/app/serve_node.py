@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxppd.app.api_app import api_app
-from mlxppd.app.http_site import http_url, start_site
+from mlxppd.app.http_site import http_url, server_context, start_site
 from mlxppd.core.agent.elastic import policy_with
 from mlxppd.core.agent.plan import StageAddress
 from mlxppd.core.config.ports import DEFAULT_TRANSPORT_PORT_RANGE, PortRange, parse_port_range
@@ -70,8 +70,10 @@ async def serve_http(
         metrics_route=options.metrics,
         admin=admin,
     )
-    runner, bound = await start_site(app, options.host, options.port)
-    url = http_url(options.host, bound)
+    # Loaded here, not kept in the options: a context is no value to copy (checked at start).
+    tls = server_context(options.tls) if options.tls is not None else None
+    runner, bound = await start_site(app, options.host, options.port, tls=tls)
+    url = http_url(options.host, bound, tls=tls is not None)
     log.info("coordinator: OpenAI API on %s/v1", url)
     if console is not None:
         log.info("coordinator: web console on %s/console", url)
@@ -81,11 +83,12 @@ async def serve_http(
     if metrics is not None and options.metrics_port is not None:
         # A separate listener, e.g. bound where only the Prometheus server reaches it.
         metrics_runner, port = await start_site(
-            create_metrics_app(metrics), options.host, options.metrics_port
+            create_metrics_app(metrics), options.host, options.metrics_port, tls=tls
         )
         runners.append(metrics_runner)
-        log.info("coordinator: metrics on http://%s:%d/metrics", options.host, port)
-        write_ready(options.metrics_ready_file, f"http://{options.host}:{port}\n")
+        metrics_url = http_url(options.host, port, tls=tls is not None)
+        log.info("coordinator: metrics on %s/metrics", metrics_url)
+        write_ready(options.metrics_ready_file, metrics_url + "\n")
     try:
         write_ready(options.ready_file, url + "\n")
         if on_ready is not None:
@@ -119,6 +122,7 @@ async def run_coordinator_node(options: NodeOptions) -> int:
     )
     stages = tuple(StageAddress(n.id, n.host, n.port) for n in cluster.pipeline_nodes())
     http = f"{options.host}:{options.port}"
+    scheme = "https" if options.tls is not None else "http"
     warnings = partition_warnings(cluster, config, coordinator.plan)
     view = CoordinatorView(
         cluster_name=lambda: cluster.cluster.name,
@@ -140,9 +144,12 @@ async def run_coordinator_node(options: NodeOptions) -> int:
     )  # fmt: skip
     if policy.enabled:
         log.info(
-            "elastic repartitioning on: `mlxppctl repartition --url http://%s "
-            "--cluster-secret-file %s`", http, options.secret_file or "<the cluster secret>",
-        )  # fmt: skip
+            "elastic repartitioning on: `mlxppctl repartition --url %s://%s "
+            "--cluster-secret-file %s`",
+            scheme,
+            http,
+            options.secret_file or "<the cluster secret>",
+        )
     stop_watch = asyncio.Event()
     watch = spawn(driver.watch_pressure(stop_watch), name="elastic-pressure")
     try:
@@ -176,8 +183,10 @@ async def ask_once(
         }
         headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}
         try:
+            # The listener this process just started: its certificate needs no verifying.
+            connector = aiohttp.TCPConnector(ssl=False)
             async with (
-                aiohttp.ClientSession() as session,
+                aiohttp.ClientSession(connector=connector) as session,
                 session.post(f"{url}/v1/chat/completions", json=body, headers=headers) as response,
             ):
                 answer.update(await response.json())

@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -52,3 +53,16 @@ def cpu_weights_flag(p: argparse.ArgumentParser, default: str | None = "auto") -
         "on an optimized BLAS); native keeps the checkpoint's; auto (default) picks float32 "
         "on a CPU host with an optimized BLAS when it fits in memory",
     )
+
+
+def command_group(subparsers: Any, name: str, *, help: str, description: str, dest: str) -> Any:
+    """A command of actions (``mlxppctl secret new``): alone, it prints its usage and exits 2;
+    returns the subparsers its actions are added to."""
+    parser = subparsers.add_parser(name, help=help, description=description)
+
+    def usage(_args: argparse.Namespace) -> int:
+        parser.print_help(sys.stderr)
+        return 2
+
+    parser.set_defaults(func=usage)
+    return parser.add_subparsers(dest=dest, metavar="ACTION")

@@ -20,6 +20,7 @@ from mlxppd.cli import ctl_adapter, ctl_prepare
 from mlxppd.cli.ctl_prepare import progress_line
 from mlxppd.cli.ctl_status import read_events, read_status
 from mlxppd.cli.ctl_target import CoordinatorUnreachable, Target, call
+from mlxppd.cli.tls_client import add_tls_flags
 from mlxppd.core.agent.elastic import ElasticState, Outcome
 from mlxppd.core.agent.health import UNHEALTHY
 from mlxppd.core.config.private_file import ALLOW_LOOSE_FLAG, ENV_ALLOW_LOOSE
@@ -57,7 +58,9 @@ directory (0.0.0.0 and :: mean this host). The cluster secret is looked up as ev
 mlxppd.toml or [cluster] secret_file in cluster.toml. The signature covers the cluster's name
 (--cluster-name, else [cluster] name in the config directory's cluster.toml, else what the
 coordinator says) and the coordinator's address; a redirect is reported, never followed. Only
-a signature derived from the secret is sent, never the secret."""
+a signature derived from the secret is sent, never the secret. An https:// coordinator (https
+also when mlxppd.toml sets tls_cert_file) is verified by the system's trust store, or by
+--cacert FILE, or accepted by its certificate's fingerprint alone with --pin-sha256."""
 
 
 def register(subparsers: Any) -> None:
@@ -66,8 +69,8 @@ def register(subparsers: Any) -> None:
     target.add_argument(
         "--url",
         metavar="URL",
-        help="the coordinator's base URL, e.g. http://10.0.0.1:8080 (default: from the config "
-        "directory's mlxppd.toml)",
+        help="the coordinator's base URL, e.g. http://10.0.0.1:8080 or https://... (default: "
+        "from the config directory's mlxppd.toml)",
     )
     target.add_argument(
         "--config-dir",
@@ -90,6 +93,7 @@ def register(subparsers: Any) -> None:
         help=f"use a secret file that fails the permission rule, with a warning (as "
         f"{ENV_ALLOW_LOOSE}=1)",
     )
+    add_tls_flags(target)
     target.add_argument(
         "--timeout",
         metavar="SECONDS",

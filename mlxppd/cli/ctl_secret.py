@@ -9,18 +9,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from mlxppd.cli.common import command_group
 from mlxppd.wire.admin_auth import admin_key
 from mlxppd.wire.secret import load_cluster_secret, write_new_secret
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
+    sub = command_group(
+        subparsers,
         "secret",
         help="manage the cluster secret",
         description="Manage the pre-shared cluster secret every pipeline role needs.",
+        dest="secret_command",
     )
-    parser.set_defaults(func=lambda _args: _usage(parser))
-    sub = parser.add_subparsers(dest="secret_command", metavar="ACTION")
     new = sub.add_parser(
         "new",
         help="write a fresh secret file",
@@ -44,11 +45,6 @@ def register(subparsers: Any) -> None:
         help="accept a secret file other users can read (see docs/operations.md, section 4)",
     )  # fmt: skip
     key.set_defaults(func=_admin_key)
-
-
-def _usage(parser: argparse.ArgumentParser) -> int:
-    parser.print_help(sys.stderr)
-    return 2
 
 
 def _new(args: argparse.Namespace) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import ssl
 import time
 import tomllib
 import urllib.error
@@ -20,6 +21,7 @@ from email.message import Message
 from pathlib import Path
 from typing import IO, Any
 
+from mlxppd.cli.tls_client import PinMismatch, https_handler
 from mlxppd.core.config.addresses import join_host_port
 from mlxppd.core.config.cluster import load_cluster_config
 from mlxppd.core.config.host import (
@@ -84,6 +86,7 @@ class Target:
         self.url = _base_url(args.url) if args.url is not None else self._url_from_config()
         #: the Host header every request carries, and every signature covers
         self.host = urllib.parse.urlsplit(self.url).netloc.lower()
+        self.https = self._https(args)
         self.secret_origin, self.key = self._key(args.cluster_secret_file)
         self.cluster: str | None = None
         self.cluster_origin = "--cluster-name"
@@ -92,6 +95,17 @@ class Target:
         elif (self._config_dir / CLUSTER_FILE).exists():
             self.cluster = _cluster_value(self._config_dir / CLUSTER_FILE, "name", "mlxpp-cluster")
             self.cluster_origin = f"[cluster] name in {self._config_dir / CLUSTER_FILE}"
+
+    def _https(self, args: argparse.Namespace) -> urllib.request.HTTPSHandler:
+        for flag, dest in (("--cacert", "cacert"), ("--pin-sha256", "pin_sha256")):
+            value = getattr(args, dest, None)
+            if value is not None and not self.url.startswith("https://"):
+                raise ConfigurationError(
+                    f"{flag} has no effect on {self.url}, which is plain HTTP; give the "
+                    f"coordinator's https:// address, or drop {flag}",
+                    source=flag,
+                )
+        return https_handler(args)
 
     def _host_settings(self) -> HostSettings:
         if self._host is None:
@@ -109,7 +123,8 @@ class Target:
                 source=str(self._config_dir / HOST_FILE),
             )
         address = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host.http_host, host.http_host)
-        return f"http://{join_host_port(address, host.http_port)}"
+        scheme = "https" if host.tls_cert_file is not None else "http"
+        return f"{scheme}://{join_host_port(address, host.http_port)}"
 
     def _key(self, flag_path: str | None) -> tuple[str, bytes]:
         config_secret_file: str | None = None
@@ -231,7 +246,9 @@ def _send(
 ) -> dict[str, Any]:
     # The coordinator sits on the cluster's own network: a desktop proxy setting must not
     # reroute (or break) admin requests, and a redirect must not carry a signature elsewhere.
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirects())
+    opener = urllib.request.build_opener(
+        urllib.request.ProxyHandler({}), _NoRedirects(), target.https
+    )
     try:
         with opener.open(request, timeout=timeout) as response:
             raw = response.read(MAX_RESPONSE_BYTES + 1)
@@ -241,6 +258,16 @@ def _send(
         raw = exc.read(MAX_RESPONSE_BYTES + 1)
     except (urllib.error.URLError, OSError) as exc:
         reason: Any = getattr(exc, "reason", None) or exc
+        if isinstance(reason, PinMismatch):
+            raise CoordinatorUnreachable(
+                f"refused the coordinator at {target.url}: {reason}"
+            ) from None
+        if isinstance(reason, ssl.SSLCertVerificationError):
+            raise CoordinatorUnreachable(
+                f"the certificate of the coordinator at {target.url} does not verify "
+                f"({reason.verify_message}); pass --cacert FILE with its certificate (or its "
+                "CA's), or --pin-sha256 with its fingerprint"
+            ) from None
         if isinstance(reason, OSError) and reason.strerror:
             reason = reason.strerror  # "Connection refused", without the errno
         raise CoordinatorUnreachable(

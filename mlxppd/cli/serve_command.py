@@ -152,6 +152,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="file holding the key for --api-key, mode 600 like the cluster secret",
     )
     p.add_argument(
+        "--tls-cert",
+        type=Path,
+        metavar="FILE",
+        help="serve HTTPS on the HTTP listeners (API, admin API, console, --metrics-port) with "
+        "this PEM certificate; needs --tls-key (`mlxppctl tls self-signed` makes a pair)",
+    )
+    p.add_argument(
+        "--tls-key",
+        type=Path,
+        metavar="FILE",
+        help="the unencrypted PEM private key of --tls-cert, mode 600 like the cluster secret",
+    )
+    p.add_argument(
         "--cors-origin",
         action="append",
         metavar="ORIGIN",
@@ -336,6 +349,18 @@ def _check_values(args: argparse.Namespace, mode: Mode) -> None:
             source="--api-key",
         )
     _cors_origins(args)
+    _tls(args, check=True)
+
+
+def _tls(args: argparse.Namespace, *, check: bool) -> Any:
+    """--tls-cert and --tls-key (both or neither); with ``check`` both are read as the listener
+    will read them, so a bad file fails before the model loads."""
+    from mlxppd.core.config.tls import check_tls_files, tls_files
+
+    files = tls_files(args.tls_cert, args.tls_key, allow_loose=bool(args.allow_loose_secret_file))
+    if files is not None and check:
+        check_tls_files(files)
+    return files
 
 
 def _cors_origins(args: argparse.Namespace) -> tuple[str, ...]:
@@ -425,6 +450,7 @@ def _node_options(args: argparse.Namespace) -> Any:
         adapters=tuple(args.adapter or ()),
         api_key=api_key,
         cors_origins=_cors_origins(args),
+        tls=_tls(args, check=False),
         ready_file=args.ready_file,
         once_prompt=args.once,
         once_max_tokens=args.max_tokens,

@@ -65,7 +65,18 @@ SERVE_DEFAULTS: dict[str, object] = {
 
 _COMMON = {"model", "log_level", "ready_file"}
 _SECRET = {"cluster_secret_file", "allow_loose_secret_file"}
-_HTTP = {"host", "port", "alias", "api_key", "api_key_file", "cors_origin", "once", "max_tokens"}
+_HTTP = {
+    "host",
+    "port",
+    "alias",
+    "api_key",
+    "api_key_file",
+    "cors_origin",
+    "once",
+    "max_tokens",
+    "tls_cert",
+    "tls_key",
+}
 _PIPELINE = {
     "parallel",
     "pp_micro_batch_size",

@@ -22,6 +22,7 @@ from pydantic import ValidationError
 from mlxppd.core.adapters import parse_adapter_flag
 from mlxppd.core.agent.desired import cluster_layer_plan
 from mlxppd.core.config.cluster import ClusterConfig, NodeRole, load_cluster_config
+from mlxppd.core.config.tls import TlsFiles
 from mlxppd.core.cpu_weights import CpuWeights, float32_config
 from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.kv_admission import DEFAULT_STAGE_SEQUENCES
@@ -73,6 +74,8 @@ class NodeOptions:
     """the OpenAI API bearer key (--api-key or the content of --api-key-file); never shown"""
     cors_origins: tuple[str, ...] = ()
     """--cors-origin: origins whose web pages may call the HTTP API (http/cors.py)"""
+    tls: TlsFiles | None = None
+    """--tls-cert/--tls-key: the HTTP listeners serve HTTPS (core/config/tls.py); None: HTTP"""
     ready_file: Path | None = None
     once_prompt: str | None = None
     once_max_tokens: int = 64

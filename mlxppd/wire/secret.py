@@ -23,7 +23,6 @@ from __future__ import annotations
 import os
 import re
 import secrets
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +32,7 @@ from mlxppd.core.config.private_file import (
     ENV_ALLOW_LOOSE,
     allow_loose_from,
     read_private_file,
+    write_private_file,
 )
 from mlxppd.core.errors import ConfigurationError
 
@@ -229,35 +229,10 @@ def new_secret_text() -> str:
 
 def write_new_secret(path: Path, *, force: bool = False) -> None:
     """Write a fresh secret to ``path`` with mode 0600; an existing file needs ``force``."""
-    data = new_secret_text().encode()
-    try:
-        if not force:
-            try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-            except FileExistsError:
-                raise ConfigurationError(
-                    f"{path} already exists; pass --force to replace it (every host of the "
-                    "cluster then needs the new secret)"
-                ) from None
-            _write_all(fd, data)
-            return
-        # Replace atomically: a crash never leaves a half-written or world-readable secret.
-        fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=".mlxpp-secret-")
-        try:
-            _write_all(fd, data)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-    except OSError as exc:
-        raise ConfigurationError(
-            f"cannot write the cluster secret file {path}: {exc.strerror or exc}"
-        ) from None
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    with os.fdopen(fd, "wb") as f:
-        os.fchmod(f.fileno(), 0o600)  # the umask may not loosen it, but be exact anyway
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    write_private_file(
+        path,
+        new_secret_text().encode(),
+        what="the cluster secret file",
+        force=force,
+        replaced="every host of the cluster then needs the new secret",
+    )

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -17,9 +15,9 @@ from aiohttp import web
 from mlxppd.runtime.local_cluster import free_port
 from tests.support.admin_server import SECRET, AdminServer, ScriptedCluster, status_document
 from tests.support.http import LoopThread
+from tests.support.mlxppctl import MLXPPCTL, clean_env, mlxppctl, one_line_error, write_secret
 from tests.support.paths import REPO_ROOT
 
-MLXPPCTL = [sys.executable, "-m", "mlxppd.cli.mlxppctl_main"]
 REPO = REPO_ROOT
 
 
@@ -36,33 +34,7 @@ def secret_file(tmp_path: Path) -> Path:
 
 @pytest.fixture()
 def env(tmp_path: Path) -> dict[str, str]:
-    """No MLXPP_* settings from the caller; an empty config dir instead of /etc/mlxpp."""
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("MLXPP_")}
-    empty = tmp_path / "empty-config"
-    empty.mkdir()
-    clean["MLXPP_CONFIG_DIR"] = str(empty)
-    return clean
-
-
-def write_secret(path: Path, value: bytes) -> Path:
-    path.write_bytes(value + b"\n")
-    path.chmod(0o600)
-    return path
-
-
-def mlxppctl(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*MLXPPCTL, *args], capture_output=True, text=True, env=env, timeout=60, cwd=REPO
-    )
-
-
-def one_line_error(proc: subprocess.CompletedProcess[str], code: int) -> str:
-    assert proc.returncode == code, (proc.stdout, proc.stderr)
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
-    assert lines[0].startswith("mlxppctl: error: ")
-    assert proc.stdout == ""
-    return lines[0]
+    return clean_env(tmp_path)
 
 
 # --- status ---

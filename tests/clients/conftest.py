@@ -128,10 +128,13 @@ def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     report = yield
-    cluster = getattr(item, "funcargs", {}).get("live_cluster")
-    if report.failed and isinstance(cluster, LiveCluster):
-        tail = cluster.running.log().splitlines()[-LOG_TAIL_LINES:]
-        report.sections.append(("live cluster log (last lines)", "\n".join(tail)))
+    # The shared cluster, or a module's own (anything holding a RunningCluster as .running).
+    for value in getattr(item, "funcargs", {}).values():
+        running = getattr(value, "running", None)
+        if report.failed and isinstance(running, RunningCluster):
+            tail = running.log().splitlines()[-LOG_TAIL_LINES:]
+            report.sections.append(("live cluster log (last lines)", "\n".join(tail)))
+            break
     return report
 
 

@@ -15,9 +15,11 @@ from mlxppd.core.config.host import (
     host_json_schema_text,
     load_host_settings,
 )
+from mlxppd.core.config.tls import TlsFiles
 from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.layer_ranges import LayerRange
 from tests.support.paths import REPO_ROOT
+from tests.support.tls import write_pair
 
 EMBEDDED_LIKE = {
     "model_type": "llama",
@@ -230,3 +232,18 @@ def test_the_example_host_file_loads(tmp_path: Path) -> None:
     write(tmp_path, example.read_text())
     host = load_host_settings(tmp_path, environ={})
     assert (host.http_host, host.http_port, host.drain_timeout_s) == ("127.0.0.1", 8080, 120.0)
+
+
+def test_the_coordinator_serves_https_with_the_host_files_pair(tmp_path: Path) -> None:
+    cfg = cluster()
+    node = match_node(cfg, "coordinator", bool)
+    plain = desired_state(cfg, load_host_settings(tmp_path, environ={}), node, EMBEDDED_LIKE, "g")
+    pair = write_pair(tmp_path)
+    text = 'tls_cert_file = "server.crt"\ntls_key_file = "server.key"\n'
+    host = load_host_settings(write(tmp_path, text), environ={})
+    secure = desired_state(cfg, host, node, EMBEDDED_LIKE, "g", allow_loose=True).coordinator
+    assert secure is not None and plain.coordinator is not None
+    assert secure.tls == TlsFiles(pair.cert, pair.key, "tls_cert_file", "tls_key_file", True)
+    # Turning HTTPS on restarts the HTTP listener, not the pipeline.
+    assert secure.http_key() != plain.coordinator.http_key()
+    assert secure.pipeline_key() == plain.coordinator.pipeline_key()

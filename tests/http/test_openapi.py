@@ -49,7 +49,7 @@ MESSAGES = [{"role": "user", "content": "Name three colours."}]
 CONTEXT_TOKENS = 64
 #: examples schemathesis generates per operation (MLXPP_FUZZ_EXAMPLES for a longer run; the
 #: suite's default keeps its CPU within the 15-minute bound)
-FUZZ_EXAMPLES = int(os.environ.get("MLXPP_FUZZ_EXAMPLES", "16"))
+FUZZ_EXAMPLES = int(os.environ.get("MLXPP_FUZZ_EXAMPLES", "10"))
 NEGATIVE_EXAMPLES = max(1, FUZZ_EXAMPLES // 2)
 NEW_ROUTE_EXAMPLES = max(1, FUZZ_EXAMPLES // 2)
 RESPONSES = "/v1/responses"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import ssl
 import threading
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
@@ -51,15 +52,16 @@ class LoopThread:
         app: web.Application,
         limits: HttpLimits | None = None,
         stats: HttpGuardStats | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> str:
-        """Serve ``app`` on a free port (within ``limits``, counting into ``stats``); its base
-        URL."""
+        """Serve ``app`` on a free port (within ``limits``, counting into ``stats``, over TLS
+        with ``tls``); its base URL."""
 
         async def start() -> str:
             # The nodes' own listener.
-            runner, port = await start_site(app, "127.0.0.1", 0, limits, stats)
+            runner, port = await start_site(app, "127.0.0.1", 0, limits, stats, tls)
             self._runners.append(runner)
-            return f"http://127.0.0.1:{port}"
+            return f"{'https' if tls else 'http'}://127.0.0.1:{port}"
 
         return self.call(start())
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from mlxppd.core.agent.plan import CoordinatorTarget, DesiredState, StageAddress, StageTarget
 from mlxppd.core.config.cluster import ClusterConfig, Node, NodeRole
-from mlxppd.core.config.host import CLUSTER_FILE, HostSettings
+from mlxppd.core.config.host import CLUSTER_FILE, HostSettings, host_tls_files
 from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.layer_ranges import LayerRange, parse_pp_layers
 from mlxppd.core.partition.plan import balance_layers
@@ -86,13 +86,16 @@ def desired_state(
     node: Node,
     model_config: Mapping[str, Any] | None,
     generation: str,
+    *,
+    allow_loose: bool = False,
 ) -> DesiredState:
     """What ``node`` should run under these files: the coordinator, a stage worker, or (a
     standby node) a stage worker holding no layers until the coordinator gives it some.
 
     ``model_config`` None: this host holds no copy of the model yet. A stage node then runs a
     worker holding no layers that ``mlxppctl prepare`` can ship the model to; the coordinator's
-    host holds the cluster's copy, so it cannot be without one."""
+    host holds the cluster's copy, so it cannot be without one. ``allow_loose``: the TLS key
+    file may fail the permission rule (--allow-loose-secret-file)."""
     transport = cluster.cluster.transport_backend
     if model_config is None:
         return _awaiting_model(cluster, host, node, generation)
@@ -111,6 +114,7 @@ def desired_state(
             prefill_chunk_size=host.prefill_chunk_size,
             api_key=host.api_key,
             cors_origins=host.cors_origins,
+            tls=host_tls_files(host, allow_loose=allow_loose),
         )
         return DesiredState(node.id, generation, cluster.cluster.elastic, coordinator=coordinator)
     index = STANDBY_INDEX

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mlxppd.core.config.cluster import ElasticPolicy
+from mlxppd.core.config.tls import TlsFiles
 from mlxppd.core.cpu_weights import CpuWeights
 from mlxppd.core.kv_admission import DEFAULT_STAGE_SEQUENCES
 from mlxppd.core.layer_ranges import LayerRange
@@ -132,6 +133,8 @@ class CoordinatorTarget:
     api_key: str | None = field(default=None, repr=False)
     cors_origins: tuple[str, ...] = ()
     """origins whose web pages may call the HTTP API (mlxppd.toml cors_origins)"""
+    tls: TlsFiles | None = None
+    """the HTTPS certificate and key (mlxppd.toml tls_cert_file/tls_key_file); None: HTTP"""
 
     def pipeline_key(self) -> tuple[object, ...]:
         """What needs a new pipeline (reconnect) when it changes; layers alone do not."""
@@ -145,7 +148,7 @@ class CoordinatorTarget:
         )
 
     def http_key(self) -> tuple[object, ...]:
-        return (self.http_host, self.http_port, self.api_key, self.cors_origins)
+        return (self.http_host, self.http_port, self.api_key, self.cors_origins, self.tls)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from mlxppd.core.config.messages import format_key_path, validation_error
 from mlxppd.core.config.origins import MAX_ORIGINS, parse_origins, wildcard_problem
 from mlxppd.core.config.private_file import allow_loose_from, read_private_file
+from mlxppd.core.config.tls import TlsFiles, check_tls_files, tls_files
 from mlxppd.core.cpu_weights import CpuWeightsField
 from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.kv_admission import DEFAULT_STAGE_SEQUENCES
@@ -37,6 +38,7 @@ __all__ = [
     "HostSettings",
     "config_dir_from",
     "host_json_schema_text",
+    "host_tls_files",
     "load_host_settings",
     "read_api_key_file",
 ]
@@ -123,6 +125,18 @@ class HostSettings(BaseSettings):
         min_length=1,
         description="File holding the OpenAI API bearer key, mode 600 like the cluster secret "
         "(relative paths are relative to the config directory); instead of api_key.",
+    )
+    tls_cert_file: str | None = Field(
+        None,
+        min_length=1,
+        description="PEM certificate (then any intermediates) the HTTP listeners serve HTTPS "
+        "with; needs tls_key_file (relative paths are relative to the config directory).",
+    )
+    tls_key_file: str | None = Field(
+        None,
+        min_length=1,
+        description="Unencrypted PEM private key of tls_cert_file, mode 600 like the cluster "
+        "secret (relative paths are relative to the config directory).",
     )
     cors_origins: OriginList = Field(
         (),
@@ -310,6 +324,7 @@ def load_host_settings(
     keyed = settings.api_key is not None or settings.api_key_file is not None
     if (problem := wildcard_problem(settings.cors_origins, keyed)) is not None:
         raise ConfigurationError(problem, source=str(path), key="cors_origins")
+    settings = _with_tls_files(settings, config_dir, path, check=read_api_key, environ=environ)
     if settings.api_key_file is None or not read_api_key:
         return settings
     if settings.api_key is not None:
@@ -326,6 +341,44 @@ def load_host_settings(
         allow_loose=allow_loose_from(environ),
     )
     return settings.model_copy(update={"api_key": key})
+
+
+def _with_tls_files(
+    settings: HostSettings,
+    config_dir: Path,
+    path: Path,
+    *,
+    check: bool,
+    environ: Mapping[str, str],
+) -> HostSettings:
+    """The TLS paths made absolute (relative ones are in the config directory); with ``check``
+    the pair is loaded once, so a bad certificate or key fails the load, not the listener."""
+    files = tls_files(
+        settings.tls_cert_file,
+        settings.tls_key_file,
+        cert_named_by=f"tls_cert_file in {path}",
+        key_named_by=f"tls_key_file in {path}",
+        allow_loose=allow_loose_from(environ),
+        base_dir=config_dir,
+    )
+    if files is None:
+        return settings
+    if check:
+        check_tls_files(files)
+    return settings.model_copy(
+        update={"tls_cert_file": str(files.cert), "tls_key_file": str(files.key)}
+    )
+
+
+def host_tls_files(settings: HostSettings, *, allow_loose: bool) -> TlsFiles | None:
+    """The HTTPS certificate and key of loaded ``settings`` (paths already absolute)."""
+    return tls_files(
+        settings.tls_cert_file,
+        settings.tls_key_file,
+        cert_named_by="tls_cert_file",
+        key_named_by="tls_key_file",
+        allow_loose=allow_loose,
+    )
 
 
 def read_api_key_file(path: Path, *, named_by: str, allow_loose: bool) -> str:

@@ -20,6 +20,7 @@ import logging
 import os
 import shlex
 import stat
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
@@ -34,6 +35,7 @@ __all__ = [
     "allow_loose_from",
     "open_regular_file",
     "read_private_file",
+    "write_private_file",
 ]
 
 log = logging.getLogger(__name__)
@@ -174,3 +176,37 @@ def _read_bounded(fd: int) -> bytes:
         chunks.append(chunk)
         size += len(chunk)
     return b"".join(chunks)
+
+
+def write_private_file(path: Path, data: bytes, *, what: str, force: bool, replaced: str) -> None:
+    """Write ``data`` to ``path`` with mode 0600; an existing file needs ``force``, and then is
+    replaced atomically. ``what`` names the file in errors, ``replaced`` says what replacing it
+    means ("every host of the cluster then needs the new secret")."""
+    try:
+        if not force:
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            except FileExistsError:
+                raise ConfigurationError(
+                    f"{path} already exists; pass --force to replace it ({replaced})"
+                ) from None
+            _write_all(fd, data)
+            return
+        # Replace atomically: a crash never leaves a half-written or world-readable file.
+        fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=".mlxpp-private-")
+        try:
+            _write_all(fd, data)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError as exc:
+        raise ConfigurationError(f"cannot write {what} {path}: {exc.strerror or exc}") from None
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    with os.fdopen(fd, "wb") as f:
+        os.fchmod(f.fileno(), 0o600)  # the umask may not loosen it, but be exact anyway
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())

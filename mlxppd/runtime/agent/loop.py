@@ -24,6 +24,7 @@ from mlxppd.core.agent.elastic import policy_with
 from mlxppd.core.agent.plan import CoordinatorTarget, DesiredState, plan
 from mlxppd.core.config.cluster import parse_cluster_config
 from mlxppd.core.config.host import CLUSTER_FILE, HOST_FILE, HostSettings, load_host_settings
+from mlxppd.core.config.private_file import allow_loose_from
 from mlxppd.core.errors import ConfigurationError, MlxppError
 from mlxppd.core.protocol.control import StageExtras, clip
 from mlxppd.core.stages import StageSpec
@@ -91,7 +92,14 @@ def load_configuration(
     if "state_dir" in host.model_fields_set and not environ.get("MLXPP_MODEL_CACHE"):
         cache = Path(host.state_dir) / "models"
     place = locate_model(host.model, cache, known=model_dir)
-    desired = desired_state(cluster, host, node, place.config, config_generation(raw))
+    desired = desired_state(
+        cluster,
+        host,
+        node,
+        place.config,
+        config_generation(raw),
+        allow_loose=allow_loose_from(environ),
+    )
     desired = _with_model_files(desired, place)
     source = place.source or place.configured or place.root
     context = AgentContext(cluster, host, secret, source, place.config or {}, place)
