@@ -21,7 +21,7 @@ from pydantic import MISSING
 from mlxppd.cli.ctl_status import read_status
 from mlxppd.cli.ctl_target import Target, call
 from mlxppd.core.status_document import AdapterStatus
-from mlxppd.http.admin_api import ADAPTERS_PATH, ADAPTERS_UNLOAD_PATH
+from mlxppd.http.admin_models import ADAPTERS_PATH, ADAPTERS_UNLOAD_PATH
 
 EXIT_OK, EXIT_FAILED = 0, 1
 

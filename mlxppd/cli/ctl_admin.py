@@ -34,7 +34,7 @@ from mlxppd.core.status_document import (
     StageCard,
     StatusDocument,
 )
-from mlxppd.http.admin_api import DRAIN_PATH, REPARTITION_PATH, RESUME_PATH
+from mlxppd.http.admin_models import DRAIN_PATH, REPARTITION_PATH, RESUME_PATH
 
 __all__ = ["CoordinatorUnreachable", "register", "render_status"]
 

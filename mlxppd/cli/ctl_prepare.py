@@ -21,7 +21,7 @@ from mlxppd.cli.ctl_status import read_status
 from mlxppd.cli.ctl_target import Target, call
 from mlxppd.core.partition.sizes import parse_byte_size
 from mlxppd.core.status_document import PrepareNodeProgress
-from mlxppd.http.admin_api import PREPARE_PATH
+from mlxppd.http.admin_models import PREPARE_PATH
 
 EXIT_OK, EXIT_FAILED = 0, 1
 MB = 1e6

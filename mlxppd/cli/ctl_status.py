@@ -15,7 +15,7 @@ from pydantic import BaseModel, ValidationError
 
 from mlxppd.cli.ctl_target import CoordinatorUnreachable, Target, call
 from mlxppd.core.status_document import RepartitionEvents, StatusDocument
-from mlxppd.http.admin_api import EVENTS_PATH, STATUS_PATH
+from mlxppd.http.admin_models import EVENTS_PATH, STATUS_PATH
 
 __all__ = ["parse_answer", "read_events", "read_status"]
 

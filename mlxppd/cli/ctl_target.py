@@ -34,7 +34,7 @@ from mlxppd.core.config.host import (
 from mlxppd.core.config.names import name_problem
 from mlxppd.core.config.private_file import ENV_ALLOW_LOOSE
 from mlxppd.core.errors import ConfigurationError, MlxppError
-from mlxppd.http.admin_api import CHALLENGE_PATH
+from mlxppd.http.admin_models import CHALLENGE_PATH
 from mlxppd.wire.admin_auth import admin_key, challenged_cluster, sign_request
 from mlxppd.wire.secret import load_cluster_secret, resolve_secret_source
 
