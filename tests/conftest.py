@@ -16,14 +16,15 @@ REPO = Path(__file__).resolve().parents[1]
 def pytest_configure(config: pytest.Config) -> None:
     """Before any test module imports mlx: compute on the optimized BLAS, as mlxppd does.
 
-    Under pytest-xdist, every worker but the first gives the local clusters it starts a port
-    range of their own, so two workers never race for the same first free port."""
+    Under pytest-xdist every worker gives the local clusters it starts a port range of its
+    own, none of them the default one (39600-39629: a zero-config bring-up's control port in
+    any worker is 39600), so no two tests race for the same first free port."""
     from mlxppd.engine.blas import use_optimized_blas
 
     use_optimized_blas()
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
-    if worker != "gw0" and worker.startswith("gw") and worker[2:].isdigit():
-        first = 39600 + 100 * int(worker[2:])
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw") and worker[2:].isdigit():
+        first = 39700 + 100 * int(worker[2:])
         os.environ["MLXPP_TRANSPORT_PORT_RANGE"] = f"{first}-{first + 29}"
 
 
