@@ -118,6 +118,7 @@ def main() -> int:
     parser.add_argument("--plans", nargs="+", default=["0-9,10-29", "0-19,20-29", "0-14,15-29"])
     args = parser.parse_args()
     from mlxppd.engine.model_files import resolve_model_dir
+    from mlxppd.wire.node_key import write_new_node_key
 
     model_dir = resolve_model_dir(args.model)
     root = Path(tempfile.mkdtemp(prefix="mlxpp-bench-elastic-"))
@@ -127,11 +128,17 @@ def main() -> int:
     ports = [free_port() for _ in range(3)]
     http = free_port()
     text = CLUSTER.format(secret=secret, p0=ports[0], p1=ports[1], p2=ports[2])
+    nodes = ("stage-1", "stage-0", "coordinator")
+    # Each node its own key (node.key, where an agent looks), the roster listing them all.
+    keys = {}
+    for node in nodes:
+        (root / node).mkdir()
+        keys[node] = write_new_node_key(root / node / "node.key").public_text
+    text += "\n[roster]\n" + "".join(f'"{n}" = "{k}"\n' for n, k in keys.items())
     processes = []
     dirs = []
-    for node in ("stage-1", "stage-0", "coordinator"):
+    for node in nodes:
         etc = root / node
-        etc.mkdir()
         (etc / "cluster.toml").write_text(text)
         model = f'model = "{model_dir}"\n'
         (etc / "mlxppd.toml").write_text(f'node_id = "{node}"\nhttp_port = {http}\n{model}')

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import socket
@@ -28,6 +29,7 @@ import time
 from pathlib import Path
 
 from mlxppd.core.config.cluster import Node, NodeRole
+from mlxppd.core.config.roster import Roster
 from mlxppd.core.kv_admission import UNLIMITED_BYTES, StageKvManager
 from mlxppd.core.layer_ranges import even_split
 from mlxppd.core.stages import StageSpec
@@ -39,6 +41,8 @@ from mlxppd.runtime.stage.worker import StageWorker
 from mlxppd.runtime.system import event_loop
 from mlxppd.runtime.system.mlx_thread import MlxThread
 from mlxppd.wire.backends import create_transport
+from mlxppd.wire.node_key import NodeKey
+from mlxppd.wire.roster_book import RosterBook
 from mlxppd.wire.secret import ClusterSecret
 from mlxppd.wire.transport import WireConfig
 
@@ -46,8 +50,19 @@ SECRET = ClusterSecret(os.urandom(32), "bench")
 MB = 1e6
 
 
+NODES = ("coordinator", "node")
+
+
+def node_key(node_id: str, secret: ClusterSecret) -> NodeKey:
+    """``node_id``'s key, derived from the run's fresh secret: the receiver process, handed
+    only the secret, holds the same keys (the roster) as the sender."""
+    raw = hashlib.sha256(secret.key_bytes() + b"\x00node key\x00" + node_id.encode()).digest()
+    return NodeKey.from_private_bytes(raw, f"bench key of {node_id}")
+
+
 def wire(node_id: str, secret: ClusterSecret) -> WireConfig:
-    return WireConfig(cluster_name="bench", node_id=node_id, secret=secret)
+    roster = Roster.of({n: node_key(n, secret).public for n in NODES})
+    return WireConfig("bench", node_id, secret, node_key(node_id, secret), RosterBook(roster))
 
 
 async def _receiver(port_file: Path, cache: Path, key: bytes) -> None:

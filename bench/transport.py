@@ -33,6 +33,12 @@ Method. One receiver process per transport listens on 127.0.0.1; this process se
   are (the CPUs are chosen once, in the parent, before it pins itself).
 
 Goals: decode-step p50 <= 1.5x the raw baseline; prefill bandwidth >= 50% of it.
+
+A second table follows (``bench/transport_versions.py``, where its method is described):
+protocol 2 (this tree) against protocol 1 (``--baseline-tree``, default a worktree of
+b324e25) and a raw socket: handshake time, the 8 KiB decode-step round trip, 4 MiB prefill
+throughput, the v2/v1 ratios against their goals, and the cost of rekeying. ``--only`` runs
+one of the two tables.
 """
 
 from __future__ import annotations
@@ -48,19 +54,28 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import cast
 
 import numpy as np
 
+from mlxppd.core.config.roster import Roster
 from mlxppd.runtime.system import event_loop
 from mlxppd.wire.backends import create_transport
 from mlxppd.wire.channel import SecureChannel
 from mlxppd.wire.codec import MessageKind
 from mlxppd.wire.errors import ChannelClosedError
 from mlxppd.wire.limits import FrameLimits
+from mlxppd.wire.node_key import NodeKey
 from mlxppd.wire.rdma import RdmaTransport
+from mlxppd.wire.roster_book import RosterBook
 from mlxppd.wire.secret import load_cluster_secret
 from mlxppd.wire.transport import WireConfig
+
+try:  # run as a script, bench/ is on sys.path; as ``-m bench.transport``, the root is
+    import transport_versions as versions
+except ImportError:
+    from bench import transport_versions as versions  # type: ignore[no-redef]
 
 RAW_HEADER = struct.Struct("<II")  # payload length, mode
 LATENCY, STREAM, STREAM_LAST = 0, 1, 2
@@ -94,8 +109,21 @@ PAYLOADS = [
 
 
 def wire_config(node: str) -> WireConfig:
-    # The secret travels to the receivers in MLXPP_CLUSTER_SECRET, the third lookup source.
-    return WireConfig("bench", node, load_cluster_secret(environ=os.environ), limits=LIMITS)
+    # The secret travels to the receivers in MLXPP_CLUSTER_SECRET, the third lookup source;
+    # each side derives both throwaway node keys from it, so the roster needs no exchange.
+    secret = os.environ["MLXPP_CLUSTER_SECRET"]
+    keys = {
+        n: NodeKey.from_private_bytes(versions.node_key_bytes(secret, n), "bench")
+        for n in ("sender", "receiver")
+    }
+    return WireConfig(
+        "bench",
+        node,
+        load_cluster_secret(environ=os.environ),
+        node_key=keys[node],
+        roster=RosterBook(Roster.of({n: k.public for n, k in keys.items()})),
+        limits=LIMITS,
+    )
 
 
 # -- receivers (one child process per transport) -----------------------------------------------
@@ -396,6 +424,15 @@ def main(argv: list[str] | None = None) -> int:
         default=25,
         help="latency messages per transport before the next one takes its turn (default 25)",
     )
+    parser.add_argument(
+        "--only", choices=("transports", "versions"), help="print only one of the two tables"
+    )
+    parser.add_argument(
+        "--baseline-tree",
+        type=Path,
+        help="the protocol-1 tree for the versions table (default: a temporary git worktree of "
+        f"{versions.PROTOCOL_1_COMMIT})",
+    )
     parser.add_argument("--receive", choices=BACKENDS, help=argparse.SUPPRESS)
     parser.add_argument("--cpu", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -412,11 +449,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     started = time.perf_counter()
     load_before = os.getloadavg()[0]
-    rows, probe = event_loop.run(measure(args.quick, max(1, args.block), pair and pair[1]))
-    print(render(rows, probe))
+    if args.only != "versions":
+        rows, probe = event_loop.run(measure(args.quick, max(1, args.block), pair and pair[1]))
+        print(render(rows, probe))
+        print(f"- run: latency in blocks of {max(1, args.block)} messages per transport")
+        print()
+    if args.only != "transports":
+        with versions.baseline_tree(args.baseline_tree) as baseline:
+            print(versions.run_comparison(quick=args.quick, baseline=baseline, cpus=pair))
     print(
-        f"- run: latency in blocks of {max(1, args.block)} messages per transport; "
-        f"event loop {event_loop.event_loop_factory()[0]}; "
+        f"- runs: event loop {event_loop.event_loop_factory()[0]}; "
         f"{time.perf_counter() - started:.0f} s on {os.cpu_count()} CPUs, load average "
         f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after (other work skews the numbers)"
     )

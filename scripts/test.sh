@@ -60,7 +60,8 @@ side_log=$(mktemp)
     # mlxppd runs on uvloop where it is installed; the wire must work on asyncio's loop too.
     echo "== pytest: wire tests on asyncio's event loop"
     MLXPP_EVENT_LOOP=asyncio $V/python -m pytest -q -p no:cacheprovider \
-      tests/wire/test_wire_*.py tests/wire/test_discovery.py
+      tests/wire/test_wire_*.py tests/wire/test_discovery.py tests/wire/test_noise.py \
+      tests/wire/test_node_identity.py tests/wire/test_handshake_hostile.py tests/wire/test_rekey.py
   fi
 ) >"$side_log" 2>&1 &
 side=$!

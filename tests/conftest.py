@@ -18,13 +18,18 @@ def pytest_configure(config: pytest.Config) -> None:
 
     Under pytest-xdist every worker gives the local clusters it starts a port range of its
     own, none of them the default one (39600-39629: a zero-config bring-up's control port in
-    any worker is 39600), so no two tests race for the same first free port."""
+    any worker is 39600), so no two tests race for the same first free port; a run without
+    xdist takes a range by its process id, so two runs at once do not race either."""
     from mlxppd.engine.blas import use_optimized_blas
 
     use_optimized_blas()
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     if worker.startswith("gw") and worker[2:].isdigit():
         first = 39700 + 100 * int(worker[2:])
+        os.environ["MLXPP_TRANSPORT_PORT_RANGE"] = f"{first}-{first + 29}"
+    elif "MLXPP_TRANSPORT_PORT_RANGE" not in os.environ:
+        # Two pytest runs at once (no xdist) must not race for the default range either.
+        first = 42000 + 30 * (os.getpid() % 300)
         os.environ["MLXPP_TRANSPORT_PORT_RANGE"] = f"{first}-{first + 29}"
 
 

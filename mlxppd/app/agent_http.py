@@ -39,13 +39,15 @@ async def start_agent_http(
     context = agent.context
     assert context is not None
     metrics = agent.metrics
-    # The key is derived afresh from the secret in force; the name follows reloads.
+    # The key is derived from the secret in force at start; the name and [operators] follow
+    # reloads (a reload that lists operators turns the secret's signatures off at once).
     controller = agent_admin(agent)
     admin = signed_admin_api(
         controller,
         context.secret.key_bytes(),
         metrics,
         lambda: agent.context.cluster.cluster.name if agent.context else "",
+        operators=lambda: agent.context.cluster.operators if agent.context else {},
     )
     runtime = agent.runtime
     config = context.model_config

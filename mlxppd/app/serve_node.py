@@ -7,9 +7,10 @@ request through that same HTTP API and prints the answer (the demo and a smoke t
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from mlxppd.app.api_app import api_app
 from mlxppd.app.http_site import http_url, server_context, start_site
 from mlxppd.core.agent.elastic import policy_with
 from mlxppd.core.agent.plan import StageAddress
+from mlxppd.core.config.cluster import ClusterConfig
 from mlxppd.core.config.ports import DEFAULT_TRANSPORT_PORT_RANGE, PortRange, parse_port_range
 from mlxppd.core.cpu_weights import CpuWeights, float32_config
 from mlxppd.core.errors import ConfigurationError
@@ -99,10 +101,22 @@ async def serve_http(
             await r.cleanup()
 
 
+def _one_host(cluster: ClusterConfig) -> bool:
+    """Every node on loopback: no other host holds the secret (a local cluster)."""
+
+    def loopback(host: str) -> bool:
+        try:
+            return ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            return host == "localhost"
+
+    return all(loopback(node.host) for node in cluster.nodes)
+
+
 async def run_coordinator_node(options: NodeOptions) -> int:
     """The coordinator of a cluster: the OpenAI API, the admin API (status, drain, resume,
     elastic repartition) and, when enabled, the elastic driver with its pressure watch."""
-    cluster, secret = load_node_cluster(options)
+    cluster, secret, _ = load_node_cluster(options)
     policy = policy_with(cluster.cluster.elastic, dict(options.elastic))
     if options.timeline is None:
         options = replace(options, timeline=StartTimeline())
@@ -136,8 +150,9 @@ async def run_coordinator_node(options: NodeOptions) -> int:
     )
     controller = CoordinatorAdmin(view)
     admin = signed_admin_api(
-        controller, secret.key_bytes(), coordinator.metrics, cluster.cluster.name
-    )
+        controller, secret.key_bytes(), coordinator.metrics, cluster.cluster.name,
+        operators=cluster.operators, warn_legacy=not _one_host(cluster),
+    )  # fmt: skip
     console = ConsoleFeed(
         controller, coordinator.metrics, driver.profile, options.timeline,
         float32_profile=driver.float32_profile,
@@ -252,11 +267,13 @@ def run_local_cluster(
     port_range: PortRange | None = None,
     transport_backend: str = "tcp",
     tp: int = 1,
+    operators: Mapping[str, str] | None = None,
 ) -> int:
     """Start the stages (``tp`` rank processes each), then the coordinator here; stop
     everything on exit or failure.
 
-    Transport ports come from ``port_range`` (None: the default range), the first free ones.
+    Transport ports come from ``port_range`` (None: the default range), the first free ones;
+    ``operators`` (``--operator``) is the cluster TOML's [operators].
     """
     if len(ranges) < 2:
         raise ConfigurationError("a local cluster needs at least 2 stages", source="--pp-size")
@@ -272,6 +289,7 @@ def run_local_cluster(
         transport_backend=transport_backend,
         tp=tp,
         adapters=template.adapters,
+        operators=dict(operators or {}),
     )
 
     async def coordinate() -> int:

@@ -49,6 +49,12 @@ def _config_flags(p: argparse.ArgumentParser) -> None:
         help="use a secret or API key file that fails the permission rule (readable by others, "
         f"another owner, a link), with a warning; as {ENV_ALLOW_LOOSE}=1",
     )
+    p.add_argument(
+        "--node-key-file",
+        help="this host's private node key (mode 600; `mlxppctl node-key new PATH` makes one); "
+        "default $MLXPP_NODE_KEY_FILE, then node_key_file in mlxppd.toml, then node.key in "
+        "the config directory",
+    )
     p.add_argument("--http-host", help="coordinator HTTP listen address (default 127.0.0.1)")
     p.add_argument("--http-port", type=int, help="coordinator HTTP port (default 8080)")
     p.add_argument("--kv-budget-bytes", type=int, help="this stage's KV cache budget, bytes")
@@ -135,6 +141,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "node_id": args.node_id,
         "model": args.model,
         "secret_file": args.cluster_secret_file,
+        "node_key_file": args.node_key_file,
         "http_host": args.http_host,
         "http_port": args.http_port,
         "kv_budget_bytes": args.kv_budget_bytes,
@@ -178,7 +185,9 @@ def run_check(args: argparse.Namespace) -> int:
         role = f"coordinator, http {c.http_host}:{c.http_port}, stage layers {ranges}"
     print(
         f"configuration ok: node {desired.node_id} ({role}); config generation "
-        f"{desired.generation}; secret from {context.secret.origin}; model "
+        f"{desired.generation}; secret from {context.secret.origin}; node key "
+        f"{context.node_key.public_text} from {context.node_key.origin} (listed in [roster]); "
+        "model "
         f"{stage.model_files if stage is not None and stage.model_files else context.model_dir}"
     )
     return 0

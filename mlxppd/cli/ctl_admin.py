@@ -1,7 +1,8 @@
 """``mlxppctl status|drain|resume``: the coordinator's admin API, from the command line.
 
-Requests are signed with a key derived from the cluster secret, for the cluster's name and the
-coordinator's address (docs/admin-api.md); ``mlxppd.cli.ctl_target`` finds them and sends.
+Requests are signed with an operator key (``--operator-key``), or in legacy mode with a key
+derived from the cluster secret, for the cluster's name and the coordinator's address
+(docs/admin-api.md); ``mlxppd.cli.ctl_target`` finds them and sends.
 """
 
 from __future__ import annotations
@@ -47,13 +48,16 @@ EXIT_UNHEALTHY = 1
 _EXAMPLES = """\
 examples:
   mlxppctl {name}                                  # address and secret from /etc/mlxpp
-  mlxppctl {name} --config-dir ./etc/mlxpp
+  mlxppctl {name} --config-dir ./etc/mlxpp --operator-key ~/.mlxpp/operator.key
   mlxppctl {name} --url http://10.0.0.1:8080 --cluster-secret-file ~/cluster.secret
 """
 
 _TARGET_HELP = """\
 The coordinator's address is --url, else http_host/http_port from mlxppd.toml in the config
-directory (0.0.0.0 and :: mean this host). The cluster secret is looked up as everywhere else:
+directory (0.0.0.0 and :: mean this host). Requests are signed with --operator-key (or
+MLXPP_OPERATOR_KEY_FILE), a key from `mlxppctl operator-key new` listed under [operators] in
+the cluster TOML; a cluster that lists [operators] accepts nothing else. Without one (legacy
+mode) they are signed with a key derived from the cluster secret, looked up as everywhere else:
 --cluster-secret-file, MLXPP_CLUSTER_SECRET_FILE, MLXPP_CLUSTER_SECRET, then secret_file in
 mlxppd.toml or [cluster] secret_file in cluster.toml. The signature covers the cluster's name
 (--cluster-name, else [cluster] name in the config directory's cluster.toml, else what the
@@ -77,6 +81,12 @@ def register(subparsers: Any) -> None:
         metavar="DIR",
         help="config directory with mlxppd.toml and cluster.toml (default: $MLXPP_CONFIG_DIR, "
         "else /etc/mlxpp)",
+    )
+    target.add_argument(
+        "--operator-key",
+        metavar="PATH",
+        help="operator key file to sign with (`mlxppctl operator-key new`); default "
+        "$MLXPP_OPERATOR_KEY_FILE, else the cluster secret signs (legacy mode)",
     )
     target.add_argument(
         "--cluster-secret-file", metavar="PATH", help="file holding the cluster secret"

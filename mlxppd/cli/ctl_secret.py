@@ -1,6 +1,6 @@
 """``mlxppctl secret new PATH``: write a fresh cluster secret (mode 0600).
 ``mlxppctl secret admin-key PATH``: print the admin key derived from it (the web console's
-admin credential)."""
+admin credential in legacy mode, on a cluster without [operators])."""
 
 from __future__ import annotations
 
@@ -37,7 +37,9 @@ def register(subparsers: Any) -> None:
         description="Print the admin API key derived from the cluster secret in PATH (64 hex "
         "digits; HKDF-SHA256, as mlxppctl signs with). Paste it into the web console's admin "
         "key field to drain, resume or repartition from the page. It opens the admin API of "
-        "this cluster and nothing else: not the secret, not the transport between nodes.",
+        "this cluster and nothing else: not the secret, not the transport between nodes. "
+        "Legacy mode only: a cluster whose TOML lists [operators] refuses it, and takes the "
+        "line of an operator key file instead (mlxppctl operator-key new).",
     )
     key.add_argument("path", metavar="PATH", help="the cluster secret file")
     key.add_argument(

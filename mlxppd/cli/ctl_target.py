@@ -1,9 +1,11 @@
 """Where ``mlxppctl`` sends admin requests, what it signs them with, and one signed request.
 
-The coordinator's address, the cluster secret and the cluster name come from flags, else from
+The coordinator's address, the signing key and the cluster name come from flags, else from
 this host's config directory; the name, failing both, from the coordinator's unsigned
-challenge route. A redirect is never followed: the signature (bound to the Host) stays with the
-address it was made for (docs/admin-api.md).
+challenge route. The key is the operator key of ``--operator-key`` (or
+``MLXPP_OPERATOR_KEY_FILE``) when one is named, else the one derived from the cluster secret
+(legacy mode: a cluster that lists ``[operators]`` refuses it). A redirect is never followed:
+the signature (bound to the Host) stays with the address it was made for (docs/admin-api.md).
 """
 
 from __future__ import annotations
@@ -35,7 +37,19 @@ from mlxppd.core.config.names import name_problem
 from mlxppd.core.config.private_file import ENV_ALLOW_LOOSE
 from mlxppd.core.errors import ConfigurationError, MlxppError
 from mlxppd.http.admin_models import CHALLENGE_PATH
-from mlxppd.wire.admin_auth import admin_key, challenged_cluster, sign_request
+from mlxppd.wire.admin_auth import (
+    admin_key,
+    challenged_cluster,
+    sign_operator_request,
+    sign_request,
+)
+from mlxppd.wire.operator_key import (
+    ENV_OPERATOR_KEY_FILE,
+    OPERATOR_KEY_FLAG,
+    OPERATORS_KEY,
+    OperatorKey,
+    load_operator_key,
+)
 from mlxppd.wire.secret import load_cluster_secret, resolve_secret_source
 
 EXIT_UNREACHABLE = 3
@@ -87,7 +101,13 @@ class Target:
         #: the Host header every request carries, and every signature covers
         self.host = urllib.parse.urlsplit(self.url).netloc.lower()
         self.https = self._https(args)
-        self.secret_origin, self.key = self._key(args.cluster_secret_file)
+        #: the operator key that signs, when one is named (then no secret is read)
+        self.operator = self._operator_key(getattr(args, "operator_key", None))
+        self.key: bytes | None = None
+        if self.operator is None:
+            self.secret_origin, self.key = self._key(args.cluster_secret_file)
+        else:
+            self.secret_origin = self.operator.origin
         self.cluster: str | None = None
         self.cluster_origin = "--cluster-name"
         if args.cluster_name is not None:
@@ -126,6 +146,14 @@ class Target:
         scheme = "https" if host.tls_cert_file is not None else "http"
         return f"{scheme}://{join_host_port(address, host.http_port)}"
 
+    def _operator_key(self, flag_path: str | None) -> OperatorKey | None:
+        if flag_path:
+            return load_operator_key(flag_path, environ=self._environ)
+        if self._environ.get(ENV_OPERATOR_KEY_FILE):
+            path = self._environ[ENV_OPERATOR_KEY_FILE]
+            return load_operator_key(path, named_by=ENV_OPERATOR_KEY_FILE, environ=self._environ)
+        return None
+
     def _key(self, flag_path: str | None) -> tuple[str, bytes]:
         config_secret_file: str | None = None
         # The config files are read only when neither a flag nor the environment names the
@@ -140,6 +168,18 @@ class Target:
             cluster_file = self._config_dir / CLUSTER_FILE
             if config_secret_file is None and cluster_file.exists():
                 config_secret_file = _cluster_value(cluster_file, "secret_file", None)
+        found = resolve_secret_source(
+            flag_path=flag_path, environ=self._environ, config_secret_file=config_secret_file
+        )
+        if found is None:
+            # On an operator's own machine there is no secret: the key is what is missing.
+            raise ConfigurationError(
+                f"no operator key and no cluster secret to sign admin requests with; pass "
+                f"{OPERATOR_KEY_FLAG} PATH (or set {ENV_OPERATOR_KEY_FILE}) with a key listed "
+                f"under {OPERATORS_KEY}, or, on a cluster without {OPERATORS_KEY}, "
+                "--cluster-secret-file PATH (`mlxppctl status --help` lists every place the "
+                "secret is looked up)"
+            )
         secret = load_cluster_secret(
             flag_path=flag_path,
             environ=self._environ,
@@ -226,9 +266,16 @@ def call(
 ) -> dict[str, Any]:
     """One signed request; HTTP errors in ``accept`` return their JSON body like a success."""
     cluster = target.cluster_name(timeout)
-    signature = sign_request(
-        target.key, method, path, body, now=time.time(), cluster=cluster, host=target.host
-    )
+    now = time.time()
+    if target.operator is not None:
+        signature = sign_operator_request(
+            target.operator, method, path, body, now=now, cluster=cluster, host=target.host
+        )
+    else:
+        assert target.key is not None
+        signature = sign_request(
+            target.key, method, path, body, now=now, cluster=cluster, host=target.host
+        )
     headers = {"Authorization": signature, "Accept": "application/json", "Host": target.host}
     if body:
         headers["Content-Type"] = "application/json"
@@ -334,12 +381,26 @@ def _unauthorized(target: Target, code: Any, cluster: str | None) -> Coordinator
             "signature covers; give its own address and port (not a proxy or a forwarded port) "
             f"in {target.where_from()}"
         )
-    if code == "bad_mac" and cluster is not None and cluster != target.cluster:
+    if code == "operator_key_required":
+        return CoordinatorUnreachable(
+            f"the coordinator at {target.url} takes only operator signatures (its cluster TOML "
+            f"lists {OPERATORS_KEY}), not the cluster secret; pass {OPERATOR_KEY_FLAG} PATH (or "
+            f"set {ENV_OPERATOR_KEY_FILE}) with a key listed there"
+        )
+    bad = code in ("bad_mac", "bad_signature")
+    if bad and cluster is not None and cluster != target.cluster:
         return CoordinatorUnreachable(
             f"the coordinator at {target.url} serves cluster '{cluster}', but the request was "
             f"signed for cluster '{target.cluster}' (from {target.cluster_origin}); pass "
             f"--cluster-name {cluster} if that is the coordinator you mean, else check "
             f"{target.where_from()}"
+        )
+    if target.operator is not None:
+        return CoordinatorUnreachable(
+            f"the coordinator at {target.url} refused the signature ({code or 'unauthorized'}) "
+            f"of operator '{target.operator.name}'; check that {OPERATORS_KEY} in its cluster "
+            f"TOML has the line {target.operator.operators_line} (the key from "
+            f"{target.secret_origin})"
         )
     return CoordinatorUnreachable(
         f"the coordinator at {target.url} refused the signature ({code or 'unauthorized'}); "

@@ -15,7 +15,14 @@ from mlxppd import __version__
 from mlxppd.cli.common import run_guarded
 
 # Subcommand modules, in the order --help lists them.
-_SUBCOMMANDS: tuple[str, ...] = ("ctl_admin", "ctl_plan", "ctl_secret", "ctl_tls")
+_SUBCOMMANDS: tuple[str, ...] = (
+    "ctl_admin",
+    "ctl_plan",
+    "ctl_secret",
+    "ctl_node_key",
+    "ctl_operator_key",
+    "ctl_tls",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -21,6 +21,7 @@ from mlxppd.core.config.ports import (
 )
 from mlxppd.core.config.private_file import ALLOW_LOOSE_FLAG, ENV_ALLOW_LOOSE
 from mlxppd.core.errors import ConfigurationError
+from mlxppd.wire.operator_key import parse_operator_flags
 
 _PORT_RANGE_FLAG = "--transport-port-range"
 #: the range a local cluster takes its ports from when the flag is not given
@@ -84,6 +85,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--distributed-config", type=Path, help="cluster TOML of a multi-host cluster")
     p.add_argument("--node-id", help="this node's id in --distributed-config")
     p.add_argument(
+        "--node-key-file",
+        help="this node's private key (mode 600; `mlxppctl node-key new PATH` makes one, its "
+        "public half goes under [roster]); default $MLXPP_NODE_KEY_FILE, then node.key beside "
+        "--distributed-config",
+    )
+    p.add_argument(
         "--cluster-secret-file",
         help="file holding the cluster secret (mode 600; `mlxppctl secret new PATH` makes one); "
         "a local cluster uses it instead of a fresh one",
@@ -139,6 +146,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="a LoRA/DoRA adapter directory (mlx_lm lora's, or PEFT's): DIR is fused into every "
         "stage's weights; NAME=DIR (repeatable) is kept apart and runs for requests whose "
         "model is NAME. Each stage reads only its layers' tensors",
+    )
+    p.add_argument(
+        "--operator",
+        action="append",
+        metavar="NAME=PUBLIC_KEY",
+        help="a local cluster's [operators] entry (repeatable; the line `mlxppctl operator-key "
+        "new` prints): only these keys then sign admin requests, not the cluster secret",
     )
     p.add_argument(
         "--api-key",
@@ -342,6 +356,7 @@ def _check_values(args: argparse.Namespace, mode: Mode) -> None:
             )
     for flag in args.adapter or ():
         parse_adapter_flag(flag)  # NAME=DIR with a good name, before anything starts
+    parse_operator_flags(tuple(args.operator or ()), source="--operator")
     if args.api_key is not None and args.api_key_file is not None:
         raise ConfigurationError(
             "--api-key and --api-key-file both give the key; keep --api-key-file (a key on the "
@@ -439,6 +454,7 @@ def _node_options(args: argparse.Namespace) -> Any:
         model=args.model,
         cluster_file=args.distributed_config or Path("."),
         node_id=args.node_id or "",
+        node_key_file=args.node_key_file,
         secret_file=args.cluster_secret_file,
         host=args.host,
         port=args.port,
@@ -548,6 +564,7 @@ def _run_local(args: argparse.Namespace, options: Any) -> int:
                 port_range=port_range,
                 transport_backend=args.transport_backend or "tcp",
                 tp=tp,
+                operators=parse_operator_flags(tuple(args.operator or ()), source="--operator"),
             )
         )
     return int(event_loop.run(run_inprocess(options, model_dir)))

@@ -65,6 +65,7 @@ SERVE_DEFAULTS: dict[str, object] = {
 
 _COMMON = {"model", "log_level", "ready_file"}
 _SECRET = {"cluster_secret_file", "allow_loose_secret_file"}
+_NODE = {"distributed_config", "node_id", "node_key_file", "adapter"}
 _HTTP = {
     "host",
     "port",
@@ -113,14 +114,10 @@ FLAGS_USED: dict[Mode, frozenset[str]] = {
         | _PIPELINE
         | _LAYERS
         | {"pp_size", "pp_layers", "tp_size", "transport_port_range", "transport_backend"}
-        | {"adapter"}
+        | {"adapter", "operator"}
     ),
-    Mode.STAGE: frozenset(
-        _COMMON | _SECRET | _LAYERS | {"distributed_config", "node_id", "pp_peer", "adapter"}
-    ),
-    Mode.COORDINATOR: frozenset(
-        _COMMON | _SECRET | _HTTP | _PIPELINE | {"distributed_config", "node_id", "adapter"}
-    ),
+    Mode.STAGE: frozenset(_COMMON | _SECRET | _LAYERS | _NODE | {"pp_peer"}),
+    Mode.COORDINATOR: frozenset(_COMMON | _SECRET | _HTTP | _PIPELINE | _NODE),
     Mode.ZERO_CONFIG_COORDINATOR: frozenset(
         _COMMON | _SECRET | _HTTP | _PIPELINE | _ZERO | _PLANNING | {"transport_backend", "adapter"}
     ),

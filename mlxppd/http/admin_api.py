@@ -1,11 +1,13 @@
 """The coordinator's admin API: cluster status, drain and resume, behind signed requests.
 
-Every route checks an ``MLXPP-HMAC`` signature made with a key derived from the cluster secret
-(``mlxppd.wire.admin_auth``), bound to the cluster's name and to a ``Host`` header that names
-this server; the OpenAI API key plays no part here, and an admin signature opens nothing under
-/v1. What the header alone shows (present, well formed, fresh) is checked before a byte of the
-body is read; the body (at most ``MAX_ADMIN_BODY_BYTES``, within the listener's body deadline)
-is read only to verify the MAC, which covers its digest. Only two routes are unsigned:
+Every route checks a signature (``mlxppd.wire.admin_auth``): an operator's ``MLXPP-ED25519``
+one when the cluster TOML lists ``[operators]``, else (legacy mode, warned of at start) an
+``MLXPP-HMAC`` made with a key derived from the cluster secret; either is bound to the
+cluster's name and to a ``Host`` header that names this server. The OpenAI API key plays no
+part here, and an admin signature opens nothing under /v1. What the header alone shows
+(present, well formed, fresh, of the scheme in force) is checked before a byte of the body is
+read; the body (at most ``MAX_ADMIN_BODY_BYTES``, within the listener's body deadline) is read
+only to verify the signature, which covers its digest. Only two routes are unsigned:
 ``GET /admin/v1/challenge`` says which cluster name to sign for, and
 ``GET /admin/v1/openapi.json`` is the routes' OpenAPI document (``admin_openapi.py``). The
 runtime supplies an ``AdminController``; the status document it returns is the frozen model of
@@ -19,7 +21,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -53,13 +55,13 @@ from mlxppd.http.errors import ApiError, error_response
 from mlxppd.runtime.observability.metrics import PipelineMetrics
 from mlxppd.runtime.system.host_addresses import is_local_address
 from mlxppd.wire.admin_auth import (
-    SCHEME,
     AdminAuthError,
     AdminVerifier,
     admin_key,
     challenge,
     host_names_this_server,
 )
+from mlxppd.wire.operator_key import OPERATOR_KEY_FLAG, OPERATORS_KEY, Operators, operators_of
 
 __all__ = [
     "ADAPTERS_PATH",
@@ -90,12 +92,17 @@ log = logging.getLogger("mlxppd.http.admin")
 MAX_ADMIN_BODY_BYTES = 64 * 1024
 
 _MESSAGES = {
-    "missing": "this admin route needs an 'Authorization: MLXPP-HMAC ...' signature (use mlxppctl)",
+    "missing": "this admin route needs a signed 'Authorization' header (use mlxppctl)",
     "malformed": "the admin signature header is malformed",
     "stale": "the admin signature's timestamp is outside the accepted window; "
     "check that the clocks of client and coordinator agree",
     "bad_mac": "the admin signature does not verify; check that the client uses this "
     "cluster's secret",
+    "bad_signature": f"the operator signature does not verify; check that {OPERATORS_KEY} in "
+    "this cluster's TOML lists the operator's name with the public key of the key used",
+    "operator_key_required": f"this cluster lists {OPERATORS_KEY}, so admin requests must be "
+    f"signed with an operator key, not the cluster secret: use `mlxppctl {OPERATOR_KEY_FLAG} "
+    "PATH` (or paste the key file's line into the web console)",
     "replayed": "this admin request was already seen; sign every request afresh",
     "wrong_host": "the signed Host header does not name this server (its address and port); "
     "send the request to the address it was signed for, without a proxy or port forward that "
@@ -158,21 +165,42 @@ class AdminApi:
     on_auth_failure: Callable[[str], None] | None = None
 
 
+LEGACY_WARNING = (
+    f"the cluster TOML lists no {OPERATORS_KEY}, so the admin API takes signatures made with "
+    "the cluster secret, which every stage host holds: any of them can drain or repartition "
+    "the cluster; run `mlxppctl operator-key new PATH --name NAME` on each operator's machine "
+    f"and list the line it prints under {OPERATORS_KEY} (docs/admin-api.md)"
+)
+
+
 def signed_admin_api(
     controller: AdminController,
     secret_key: bytes,
     metrics: PipelineMetrics | None,
     cluster_name: str | Callable[[], str],
+    operators: Mapping[str, str] | Callable[[], Mapping[str, str]] | None = None,
+    *,
+    warn_legacy: bool = True,
 ) -> AdminApi:
-    """The admin API of a coordinator: requests signed with the key derived from the cluster
-    secret (the raw secret stays with the caller) for ``cluster_name`` (a callable follows
-    reloads); refusals counted when metrics are on."""
+    """The admin API of a coordinator for ``cluster_name``: requests signed by one of
+    ``operators`` (the cluster TOML's ``[operators]`` table; a callable follows reloads), or,
+    while it is empty, with the key derived from the cluster secret (the raw secret stays with
+    the caller); refusals counted when metrics are on. Legacy mode is warned of here, once
+    (``warn_legacy``: False where no other host holds the secret, a loopback cluster)."""
 
     def count_auth_failure(reason: str) -> None:
         if metrics is not None:
             metrics.admin_auth_failures.labels(reason=reason).inc()
 
-    verifier = AdminVerifier(admin_key(secret_key), cluster_name=cluster_name, clock=time.time)
+    def listed() -> Operators:
+        table = operators() if callable(operators) else operators
+        return operators_of(table or {})
+
+    if warn_legacy and not len(listed()):
+        log.warning("%s", LEGACY_WARNING)
+    verifier = AdminVerifier(
+        admin_key(secret_key), cluster_name=cluster_name, clock=time.time, operators=listed
+    )
     return AdminApi(controller, verifier, count_auth_failure)
 
 
@@ -259,7 +287,7 @@ def add_admin_routes(
         return _guarded(route, action, verifier, on_auth_failure, refusals)
 
     async def challenge_route(request: web.Request) -> web.Response:
-        return _json({"scheme": SCHEME, "cluster": verifier.cluster_name})
+        return _json({"scheme": verifier.scheme, "cluster": verifier.cluster_name})
 
     openapi_body = admin_openapi_text().encode()
 
@@ -338,7 +366,7 @@ def _guarded(
             return error_response(error)
         try:
             # raw_path is the path (and query) exactly as the client sent and signed it.
-            verifier.verify(
+            operator = verifier.verify(
                 request.headers.get("Authorization"),
                 request.method,
                 request.raw_path,
@@ -351,6 +379,14 @@ def _guarded(
         except AdminAuthError as exc:
             return _refused(request, route, exc, verifier, on_auth_failure, refusals)
         request[_BODY] = body
+        if request.method != "GET":
+            # Who changed the cluster, for the record; the name passed the header's pattern.
+            log.info(
+                "admin request %s %s signed by %s",
+                request.method,
+                route,
+                f"operator {escape(operator, 255)}" if operator else "the cluster secret",
+            )
         try:
             return await action(request)
         except Exception:
@@ -395,6 +431,6 @@ def _refused(
             type="authentication_error",
             code=exc.reason,
             # The cluster to sign for: no secret, and it tells a client why its MAC failed.
-            headers={"WWW-Authenticate": challenge(verifier.cluster_name)},
+            headers={"WWW-Authenticate": challenge(verifier.cluster_name, verifier.scheme)},
         )
     )

@@ -110,8 +110,9 @@ class Reply(BaseModel):
 class Challenge(Reply):
     """GET /admin/v1/challenge: the cluster name a request is signed for."""
 
-    scheme: Literal["MLXPP-HMAC"]
-    """the Authorization scheme"""
+    scheme: Literal["MLXPP-ED25519", "MLXPP-HMAC"]
+    """the Authorization scheme: MLXPP-ED25519 (an operator key) when the cluster lists
+    [operators], else MLXPP-HMAC (legacy: the key derived from the cluster secret)"""
     cluster: str
     """the cluster's [cluster] name, the sixth line of the string to sign"""
 

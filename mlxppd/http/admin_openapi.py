@@ -27,6 +27,7 @@ __all__ = ["admin_openapi_document", "admin_openapi_text"]
 OPENAPI_VERSION = "3.1.0"
 REF_TEMPLATE = "#/components/schemas/{model}"
 HMAC = "mlxppHmac"
+ED25519 = "mlxppEd25519"
 
 #: every model the document holds, with the mode its schema is drawn in (requests are what the
 #: server accepts; replies what it sends)
@@ -82,7 +83,8 @@ def _signed(
         answers[status] = _answer(description, "ErrorResponse")
     answers["401"]["headers"] = {
         "WWW-Authenticate": {
-            "description": 'MLXPP-HMAC cluster="<name>": the cluster to sign for',
+            "description": 'MLXPP-ED25519 cluster="<name>" (or MLXPP-HMAC, legacy mode): the '
+            "scheme and the cluster to sign for",
             "required": True,
             "schema": {"type": "string"},
         }
@@ -90,7 +92,8 @@ def _signed(
     operation: dict[str, Any] = {
         "operationId": operation_id,
         "summary": summary,
-        "security": [{HMAC: []}],
+        # Either: an operator's signature, or (legacy, no [operators]) the secret's HMAC.
+        "security": [{ED25519: []}, {HMAC: []}],
         "responses": answers,
     }
     if body is not None:
@@ -217,16 +220,28 @@ def admin_openapi_document() -> dict[str, Any]:
         "components": {
             "schemas": top.get("$defs", {}),
             "securitySchemes": {
+                ED25519: {
+                    "type": "apiKey",
+                    "in": "header",
+                    "name": "Authorization",
+                    "description": (
+                        "MLXPP-ED25519 name=<operator>,ts=<unix seconds>,nonce=<32 hex>,"
+                        "sig=<base64>: an Ed25519 signature of the request by a key listed "
+                        "under [operators] in the cluster TOML, bound to the cluster's name and "
+                        "the Host (docs/admin-api.md, Request signing)."
+                    ),
+                },
                 HMAC: {
                     "type": "apiKey",
                     "in": "header",
                     "name": "Authorization",
                     "description": (
-                        "MLXPP-HMAC ts=<unix seconds>,nonce=<32 hex>,mac=<64 hex>: an HMAC of "
+                        "MLXPP-HMAC ts=<unix seconds>,nonce=<32 hex>,mac=<64 hex> (legacy mode, "
+                        "only while the cluster TOML lists no [operators]): an HMAC of "
                         "the request with a key derived from the cluster secret, bound to the "
                         "cluster's name and the Host (docs/admin-api.md, Request signing)."
                     ),
-                }
+                },
             },
         },
     }

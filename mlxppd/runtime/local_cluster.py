@@ -49,6 +49,7 @@ from mlxppd.core.restart_policy import RestartPolicy
 from mlxppd.engine.stage_threads import SOLO_ENV
 from mlxppd.runtime.observability.timeline import StartTimeline
 from mlxppd.runtime.serve import NodeOptions
+from mlxppd.wire.node_key import write_new_node_key
 from mlxppd.wire.secret import load_cluster_secret
 from mlxppd.wire.tasks import spawn, stop_tasks
 
@@ -96,6 +97,8 @@ def local_cluster_toml(
     port_range: PortRange | None = None,
     tp: int = 1,
     adapters: tuple[str, ...] = (),
+    roster: Mapping[str, str] | None = None,
+    operators: Mapping[str, str] | None = None,
 ) -> str:
     """The cluster TOML of a loopback cluster: a coordinator and one node per stage, or per
     (stage, rank) when ``tp`` > 1 (``ports``: stage-major, then rank; each rank's ring on a
@@ -135,6 +138,12 @@ def local_cluster_toml(
             lines += ['role = "pipeline_tensor_parallel"', f"stage = {i}", f"rank = {rank}"]
             lines += [f'tp_address = "127.0.0.1:{free_port()}"']
     lines += named
+    if roster:
+        lines += ["", "[roster]"]
+        lines += [f"{json.dumps(k)} = {json.dumps(v)}" for k, v in roster.items()]
+    if operators:  # who may sign admin requests (docs/admin-api.md)
+        lines += ["", "[operators]"]
+        lines += [f"{json.dumps(k)} = {json.dumps(v)}" for k, v in operators.items()]
     # Round-trip through the validated model so the file is exactly what a node will load.
     config: ClusterConfig = parse_cluster_config("\n".join(lines) + "\n", "local cluster")
     return render_cluster_toml(config)
@@ -189,10 +198,17 @@ class LocalCluster:
     """tensor-parallel ranks per stage: one process each"""
     adapters: tuple[str, ...] = ()
     """``--adapter`` values: DIR (fused) or NAME=DIR (per request), written into the TOML"""
+    operators: Mapping[str, str] = field(default_factory=dict)
+    """``--operator`` values: the TOML's [operators], who may sign admin requests"""
     followers: list[list[subprocess.Popen[bytes]]] = field(default_factory=list, init=False)
     """each stage's ranks above 0 (``procs`` holds rank 0, the one that listens)"""
     restarts: list[int] = field(default_factory=list, init=False)
     """how often each stage was restarted"""
+    key_files: dict[str, Path] = field(default_factory=dict, init=False)
+    """each node's own key file (the TOML's [roster] lists their public halves)"""
+
+    def _node_ids(self) -> list[str]:
+        return [stage_node_id(i, r) for i in range(len(self.ranges)) for r in range(self.tp)]
 
     def __post_init__(self) -> None:
         try:
@@ -219,6 +235,13 @@ class LocalCluster:
             fd = os.open(self.secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as f:
                 f.write(secrets.token_hex(32) + "\n")
+        # Each node its own key, as on separate hosts; the roster lists every one.
+        roster = {}
+        for node_id in ["coordinator", *self._node_ids()]:
+            path = self.workdir / "keys" / f"{node_id}.key"
+            path.parent.mkdir(mode=0o700, exist_ok=True)
+            roster[node_id] = write_new_node_key(path).public_text
+            self.key_files[node_id] = path
         self.cluster_file = self.workdir / "cluster.toml"
         self.cluster_file.write_text(
             local_cluster_toml(
@@ -230,6 +253,8 @@ class LocalCluster:
                 port_range=self.port_range,
                 tp=self.tp,
                 adapters=self.adapters,
+                roster=roster,
+                operators=self.operators,
             )
         )
         self.restarts = [0 for _ in self.ranges]
@@ -244,6 +269,7 @@ class LocalCluster:
         node = stage_node_id(index, rank)
         cmd += ["--distributed-config", str(self.cluster_file), "--node-id", node]
         cmd += ["--cluster-secret-file", str(self.secret_file), "--ready-file", str(ready)]
+        cmd += ["--node-key-file", str(self.key_files[node])]
         if self.model:
             cmd += ["--model", self.model]
         if self.max_batch_size is not None:
@@ -417,5 +443,6 @@ class LocalCluster:
             cluster_file=self.cluster_file,
             node_id="coordinator",
             secret_file=str(self.secret_file),
+            node_key_file=str(self.key_files["coordinator"]),
             timeline=self.timeline,
         )

@@ -48,6 +48,8 @@ from mlxppd.runtime.stage.worker import StageWorker
 from mlxppd.runtime.system.mlx_thread import MlxThread
 from mlxppd.runtime.system.open_files import raise_open_file_limit
 from mlxppd.wire.backends import create_transport, wire_config_for
+from mlxppd.wire.node_key import NodeKey
+from mlxppd.wire.roster_book import RosterBook
 from mlxppd.wire.secret import ClusterSecret
 
 log = logging.getLogger("mlxppd.node")
@@ -60,6 +62,8 @@ class StageSetup:
     cluster: ClusterConfig
     node_id: str
     secret: ClusterSecret
+    node_key: NodeKey
+    """this node's own key (the roster lists its public half)"""
     model_dir: Path
     model_config: dict[str, Any]
     spec: StageSpec
@@ -79,6 +83,8 @@ class StageSetup:
     """why this node has no model files yet: it listens holding no layers until prepared"""
     tensor: TensorPlace | None = None
     """its place in a tensor-parallel stage (None: a stage of one rank)"""
+    roster: RosterBook | None = None
+    """the node's shared roster (an agent's, replaced on reload); None: the TOML's"""
 
 
 async def start_stage_worker(
@@ -92,7 +98,8 @@ async def start_stage_worker(
     runner: StageRunner | None = None
     per_token = 0
     transport = create_transport(
-        setup.transport, wire_config_for(setup.cluster, setup.node_id, setup.secret)
+        setup.transport,
+        wire_config_for(setup.cluster, setup.node_id, setup.secret, setup.node_key, setup.roster),
     )
     tensor = links = None
     if setup.tensor is not None:
@@ -168,7 +175,8 @@ async def run_tensor_follower(
     called once its shard is loaded and it follows."""
     assert setup.tensor is not None
     transport = create_transport(
-        setup.transport, wire_config_for(setup.cluster, setup.node_id, setup.secret)
+        setup.transport,
+        wire_config_for(setup.cluster, setup.node_id, setup.secret, setup.node_key, setup.roster),
     )
     # Listening first: rank 0 connects as soon as every rank has loaded.
     inbox = RankZeroInbox(setup.tensor.node_ids[0])
@@ -197,6 +205,8 @@ class CoordinatorSetup:
     cluster: ClusterConfig
     node_id: str
     secret: ClusterSecret
+    node_key: NodeKey
+    """this node's own key (the roster lists its public half)"""
     transport: str
     plan: tuple[LayerRange, ...]
     micro_batch_size: int
@@ -220,6 +230,8 @@ class CoordinatorSetup:
     """prompt tokens per prefill pass (None: chosen per prompt, core/prefill_chunks.py)"""
     timeline: StartTimeline | None = None
     """where the connection, identity check and warm-up are marked as they happen"""
+    roster: RosterBook | None = None
+    """the node's shared roster (an agent's, replaced on reload); None: the TOML's"""
 
 
 async def start_pipeline_coordinator(
@@ -230,7 +242,8 @@ async def start_pipeline_coordinator(
 ) -> Coordinator:
     """Connect to every stage in order, align their layers to the plan, warm up."""
     transport = create_transport(
-        setup.transport, wire_config_for(setup.cluster, setup.node_id, setup.secret)
+        setup.transport,
+        wire_config_for(setup.cluster, setup.node_id, setup.secret, setup.node_key, setup.roster),
     )
     coordinator = Coordinator(
         setup.cluster,

@@ -48,6 +48,7 @@ from mlxppd.runtime.observability.timeline import StartTimeline
 from mlxppd.runtime.stage.tp_stage import tensor_place
 from mlxppd.runtime.system.atomic_write import write_text_atomic
 from mlxppd.runtime.system.mlx_thread import MlxThread
+from mlxppd.wire.node_key import NodeKey, check_own_key, load_node_key
 from mlxppd.wire.secret import load_cluster_secret
 
 log = logging.getLogger("mlxppd.serve")
@@ -63,6 +64,8 @@ class NodeOptions:
     adapters: tuple[str, ...] = ()
     """``--adapter`` values on top of the cluster TOML's adapters"""
     secret_file: str | None = None
+    node_key_file: str | None = None
+    """--node-key-file; None: MLXPP_NODE_KEY_FILE, then node.key beside the cluster TOML"""
     host: str = "127.0.0.1"
     port: int = 8080
     kv_budget_bytes: int | None = None
@@ -109,8 +112,8 @@ def stop_event() -> asyncio.Event:
     return stop
 
 
-def load_node_cluster(options: NodeOptions) -> tuple[ClusterConfig, Any]:
-    """The cluster TOML and the secret of a ``--distributed-config`` node."""
+def load_node_cluster(options: NodeOptions) -> tuple[ClusterConfig, Any, NodeKey]:
+    """The cluster TOML, the secret and the node key of a ``--distributed-config`` node."""
     return _load_cluster(options)
 
 
@@ -135,14 +138,18 @@ def with_adapter_flags(cluster: ClusterConfig, flags: tuple[str, ...]) -> Cluste
         raise ConfigurationError(str(exc.errors()[0]["msg"]), source="--adapter") from None
 
 
-def _load_cluster(options: NodeOptions) -> tuple[ClusterConfig, Any]:
+def _load_cluster(options: NodeOptions) -> tuple[ClusterConfig, Any, NodeKey]:
     cluster = with_adapter_flags(load_cluster_config(options.cluster_file), options.adapters)
     secret = load_cluster_secret(
         flag_path=options.secret_file,
         config_secret_file=cluster.cluster.secret_file,
         config_dir=options.cluster_file.parent,
     )
-    return cluster, secret
+    node_key = load_node_key(
+        options.node_id, flag_path=options.node_key_file, config_dir=options.cluster_file.parent
+    )
+    check_own_key(cluster.node_roster, options.node_id, node_key, source=str(options.cluster_file))
+    return cluster, secret, node_key
 
 
 def write_ready(path: Path | None, text: str) -> None:
@@ -151,7 +158,7 @@ def write_ready(path: Path | None, text: str) -> None:
 
 
 async def run_stage_node(options: NodeOptions) -> int:
-    cluster, secret = _load_cluster(options)
+    cluster, secret, node_key = _load_cluster(options)
     node = cluster.find_node(options.node_id)
     if node is None or node.role is NodeRole.COORDINATOR or node.stage is None:
         raise ConfigurationError(
@@ -167,6 +174,7 @@ async def run_stage_node(options: NodeOptions) -> int:
         cluster=cluster,
         node_id=node.id,
         secret=secret,
+        node_key=node_key,
         model_dir=model_dir,
         model_config=config,
         spec=StageSpec.holding(node.stage, len(ranges), layers),
@@ -248,7 +256,7 @@ async def log_partition_report(
 
 
 async def start_coordinator(options: NodeOptions) -> Coordinator:
-    cluster, secret = _load_cluster(options)
+    cluster, secret, node_key = _load_cluster(options)
     node = cluster.find_node(options.node_id)
     if node is None or node.role is not NodeRole.COORDINATOR:
         raise ConfigurationError(
@@ -265,6 +273,7 @@ async def start_coordinator(options: NodeOptions) -> Coordinator:
         cluster=cluster,
         node_id=node.id,
         secret=secret,
+        node_key=node_key,
         transport=cluster.cluster.transport_backend,
         plan=ranges,
         model_config=model_config,

@@ -6,6 +6,10 @@ one task at a time. Every
 frame that fails a check is counted in ``WireStats.rejected_frames``, logged once with the peer
 address, and closes the connection; the exception then tells the caller what happened.
 
+Keys are replaced (``record.py``, "Rekeying") once a direction has sealed
+``RekeyPolicy.after_records`` records or held its key ``after_s`` seconds: the sender checks
+before each message, so traffic never waits for it.
+
 Small records are sealed and opened in one call. Large ones are streamed in ``chunk_size``
 pieces: the cipher reads the tensor straight from its own memory into the stream's send buffer,
 and on receipt decrypts straight into the memory the tensor will live in (``recv(into=...)``).
@@ -16,8 +20,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import deque
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from mlxppd.core.log_text import quoted
@@ -43,7 +49,13 @@ from mlxppd.wire.record import (
 from mlxppd.wire.stats import WireStats
 from mlxppd.wire.streams import ByteStream, StreamEOF
 
-__all__ = ["SMALL_RECORD_BYTES", "SecureChannel", "SendTurns", "read_small_record"]
+__all__ = [
+    "SMALL_RECORD_BYTES",
+    "RekeyPolicy",
+    "SecureChannel",
+    "SendTurns",
+    "read_small_record",
+]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +65,22 @@ SMALL_RECORD_BYTES = 64 * 1024
 #: Plaintext bound of the records that are not messages (verdict, close).
 _CONTROL_RECORD_MAX = 1024
 _GOODBYE_TIMEOUT_S = 1.0
+
+
+@dataclass(frozen=True)
+class RekeyPolicy:
+    """When a sending direction replaces its key."""
+
+    #: records sealed with one key before it is replaced (2**24: 16 M decode steps)
+    after_records: int = 1 << 24
+    #: seconds one key is used at most (checked when a message is sent)
+    after_s: float = 120.0
+    #: monotonic seconds; tests pass their own
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.after_records < 1 or not self.after_s > 0:
+            raise ValueError("rekey_after_records must be >= 1 and rekey_after_s > 0")
 
 
 class SendTurns:
@@ -146,6 +174,8 @@ class SecureChannel:
         local_node_id: str,
         peer_node_id: str,
         peer_rdma_version: int = 0,
+        peer_key: bytes = b"",
+        rekey: RekeyPolicy | None = None,
     ):
         self._stream = stream
         self._sealer = sealer
@@ -155,6 +185,11 @@ class SecureChannel:
         self.local_node_id = local_node_id
         self.peer_node_id = peer_node_id
         self.peer_rdma_version = peer_rdma_version
+        #: the node key the peer proved it holds in the handshake
+        self.peer_key = peer_key
+        self._rekey = rekey if rekey is not None else RekeyPolicy()
+        self._clock = self._rekey.clock
+        self._key_deadline = self._clock() + self._rekey.after_s
         self._turns = SendTurns()
         self._receiving = False
         self._plain = memoryview(b"")  # plaintext scratch of small records received ``into``
@@ -172,6 +207,19 @@ class SecureChannel:
 
     def __repr__(self) -> str:
         return f"SecureChannel(peer={self.peer_node_id!r} at {self.peer_address})"
+
+    @property
+    def key_epochs(self) -> tuple[int, int]:
+        """How many times (sending, receiving) keys were replaced."""
+        return self._sealer.epoch, self._opener.epoch
+
+    def key_fingerprints(self) -> tuple[bytes, bytes]:
+        """Short one-way ids of the current (sending, receiving) keys, for tests and logs."""
+        return self._sealer.key_fingerprint(), self._opener.key_fingerprint()
+
+    def revoke(self) -> None:
+        """Close now, without a goodbye: the peer is no longer trusted (roster removal)."""
+        self._abort()
 
     # -- sending ------------------------------------------------------------------------------
 
@@ -191,6 +239,11 @@ class SecureChannel:
         try:
             if self._closed:
                 self._check_open()
+            if (
+                self._sealer.records_on_key >= self._rekey.after_records
+                or self._clock() >= self._key_deadline
+            ):
+                await self._send_rekey()
             total = RECORD_HEADER.size + len(head) + payload.nbytes + TAG_SIZE
             if total <= SMALL_RECORD_BYTES:  # every decode step: sealed in one call
                 stream = self._stream
@@ -208,6 +261,16 @@ class SecureChannel:
             ) from None
         finally:
             turns.give_back()
+
+    async def _send_rekey(self) -> None:
+        # The REKEY record is the last one sealed with the old key; the peer ratchets on it.
+        record = self._sealer.seal(RecordType.REKEY, ())
+        self._sealer.rekey()
+        self._key_deadline = self._clock() + self._rekey.after_s
+        self._stats.rekeys_sent += 1
+        sent = self._stream.write_nowait(memoryview(record))
+        if sent < len(record):
+            await self._stream.write((memoryview(record)[sent:],))
 
     async def _send_record(self, rtype: RecordType, head: bytes, payload: memoryview) -> None:
         length = len(head) + payload.nbytes
@@ -299,6 +362,12 @@ class SecureChannel:
                 raise
 
     async def _recv_message(self, into: object | None) -> Message:
+        while True:  # a REKEY record is consumed here; the message after it is returned
+            message = await self._recv_record(into)
+            if message is not None:
+                return message
+
+    async def _recv_record(self, into: object | None) -> Message | None:
         # Hot path of every decode step: kept flat, one await per read.
         stream = self._stream
         view = stream.read_nowait(RECORD_HEADER.size)
@@ -334,6 +403,13 @@ class SecureChannel:
                 )
             sealed = await stream.read_exactly(length + TAG_SIZE)
             self._opener.open_into(header, sealed, memoryview(bytearray(length)))
+            if rtype is RecordType.REKEY:
+                if length:
+                    raise FrameError(FrameRejectReason.BAD_HEADER, f"a REKEY record of {length} B")
+                self._opener.rekey()
+                self._stats.rekeys_received += 1
+                self._in_record = False
+                return None
             if rtype is RecordType.CLOSE:
                 raise ChannelClosedError(f"{self._describe()} closed the channel", clean=True)
             raise FrameError(FrameRejectReason.UNEXPECTED_RECORD, f"a {rtype.name} record")

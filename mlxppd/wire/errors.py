@@ -49,8 +49,11 @@ class HandshakeFailure(enum.StrEnum):
     BAD_MAGIC = "bad_magic"  # not an mlxpp peer at all
     VERSION_MISMATCH = "version_mismatch"
     BAD_HELLO = "bad_hello"  # malformed handshake message
-    BAD_PROOF = "bad_proof"  # the peer's HMAC proof does not match: the secrets differ
-    PEER_REJECTED_PROOF = "peer_rejected_proof"  # the peer says our proof did not match
+    # the client failed authentication: wrong cluster secret, or a node key the roster does not
+    # list for its id (one reason for both, so a refusal tells a prober nothing)
+    BAD_PROOF = "bad_proof"
+    PEER_REJECTED_PROOF = "peer_rejected_proof"  # the server closed on our proof
+    WRONG_NODE_KEY = "wrong_node_key"  # the server's key is not the roster's for its node id
     CLUSTER_MISMATCH = "cluster_mismatch"
     UNEXPECTED_PEER = "unexpected_peer"  # authentic, but not the node we meant to reach
     BAD_VERDICT = "bad_verdict"  # the verdict record failed authentication or parsing

@@ -1,4 +1,4 @@
-"""The handshake's byte layouts and cryptography, as pure functions (no I/O).
+"""The handshake's byte layouts, as pure functions (no I/O); the cryptography is ``noise.py``.
 
 Every handshake message is an envelope (docs/protocol.md, "Handshake")::
 
@@ -9,24 +9,20 @@ Every handshake message is an envelope (docs/protocol.md, "Handshake")::
     u16 body_len     0..MAX_BODY
     ... body
 
-The envelope keeps this layout in every future version (only bodies may change), so two nodes
-of different versions can always name each other's version before refusing.
+The envelope keeps this layout in every version (only bodies change), so two nodes of different
+versions can always name each other's version before refusing.
 
-Both hellos carry a fresh 32-byte nonce, the sender's RDMA protocol version, the cluster name
-and the node id. The transcript is the client hello envelope followed by the server hello
-envelope, byte for byte as sent, so the proofs and the keys bind the protocol version, the
-cluster name, both node ids and both nonces.
+Since protocol 2 the bodies of CLIENT_HELLO, SERVER_HELLO and CLIENT_PROOF are the three
+messages of a Noise XXpsk3 handshake; the hello *payloads* inside them carry the sender's RDMA
+protocol version, the cluster name and the node id. The prologue binds the protocol version.
 """
 
 from __future__ import annotations
 
 import enum
-import hashlib
-import hmac
 import re
 import struct
 from dataclasses import dataclass
-from typing import Literal
 
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
@@ -40,63 +36,54 @@ __all__ = [
     "MAGIC",
     "MAX_BODY",
     "MAX_VERDICT_REASON",
-    "NONCE_BYTES",
-    "PROOF_BYTES",
     "AbortReason",
     "Envelope",
     "HandshakeType",
     "Hello",
-    "SessionKeys",
     "Verdict",
-    "compute_proof",
     "decode_abort",
     "decode_hello",
     "decode_verdict",
-    "derive_keys",
     "encode_hello",
     "encode_verdict",
     "pack_envelope",
     "parse_envelope",
-    "transcript",
+    "prologue",
+    "psk_from_secret",
     "valid_name",
-    "verify_proof",
 ]
 
 MAGIC = b"MXPP"
 ENVELOPE = struct.Struct(">4sHBBH")
 MAX_BODY = 1024
-NONCE_BYTES = 32
-PROOF_BYTES = 32
 MAX_VERDICT_REASON = 512
-_HELLO_FIXED = struct.Struct(f">{NONCE_BYTES}sH")
+_HELLO_FIXED = struct.Struct(">H")
 _VERDICT = struct.Struct(">BH")
 _NAME_LIMIT = 255
 # Node ids as in the cluster TOML; cluster names too, since both are logged on receipt.
 _NAME_RE = re.compile(r"[A-Za-z0-9._-]+")
 
-# Domain-separation labels: a proof for one role can never pass as the other's, and key
-# derivation never reuses a MAC input.
-SERVER_PROOF_LABEL = b"mlxpp/1 server proof\x00"
-CLIENT_PROOF_LABEL = b"mlxpp/1 client proof\x00"
-C2S_KEY_INFO = b"mlxpp/1 key client-to-server"
-S2C_KEY_INFO = b"mlxpp/1 key server-to-client"
+# Domain separation: the PSK derived from the cluster secret is used for nothing else (the
+# admin API derives its own key with other labels).
+PSK_SALT = b"mlxpp wire psk"
+PSK_INFO = b"mlxpp/2 noise psk"
 
 
 class HandshakeType(enum.IntEnum):
     """Handshake message types; wire values are fixed (docs/protocol.md)."""
 
-    CLIENT_HELLO = 1
-    SERVER_HELLO = 2
-    SERVER_PROOF = 3
-    CLIENT_PROOF = 4
+    CLIENT_HELLO = 1  # Noise message 1: -> e (payload: the client's hello)
+    SERVER_HELLO = 2  # Noise message 2: <- e, ee, s, es (payload: the server's hello)
+    # 3 was protocol 1's SERVER_PROOF; never sent since protocol 2
+    CLIENT_PROOF = 4  # Noise message 3: -> s, se, psk (empty payload)
     CLIENT_ABORT = 5  # the client refuses the server; body: one AbortReason byte
     VERSION_REFUSED = 6  # the sender speaks another version; empty body
 
 
 class AbortReason(enum.IntEnum):
-    """Why a client refuses a server after its hello and proof."""
+    """Why a client refuses a server after its hello."""
 
-    BAD_SERVER_PROOF = 1
+    BAD_SERVER_PROOF = 1  # the server's static key is not the roster's key for its node id
     CLUSTER_MISMATCH = 2
     UNEXPECTED_PEER = 3
 
@@ -118,9 +105,8 @@ class Envelope:
 
 @dataclass(frozen=True)
 class Hello:
-    """The body of a client or server hello."""
+    """The payload of a client or server hello."""
 
-    nonce: bytes
     rdma_version: int
     cluster_name: str
     node_id: str
@@ -155,16 +141,13 @@ def _pack_name(text: str) -> bytes:
     return bytes([len(raw)]) + raw
 
 
-def encode_hello(htype: HandshakeType, hello: Hello) -> bytes:
-    """A client or server hello envelope."""
-    if len(hello.nonce) != NONCE_BYTES:
-        raise ValueError(f"a hello nonce is {NONCE_BYTES} bytes")
-    body = (
-        _HELLO_FIXED.pack(hello.nonce, hello.rdma_version)
+def encode_hello(hello: Hello) -> bytes:
+    """A hello payload: u16 RDMA version, then cluster name and node id (u8 length each)."""
+    return (
+        _HELLO_FIXED.pack(hello.rdma_version)
         + _pack_name(hello.cluster_name)
         + _pack_name(hello.node_id)
     )
-    return pack_envelope(htype, body)
 
 
 def valid_name(text: str) -> bool:
@@ -179,7 +162,7 @@ def decode_hello(body: bytes) -> Hello:
     one escaped (``quoted``), since it is the peer's text and ends up in a log line.
     """
     try:
-        nonce, rdma_version = _HELLO_FIXED.unpack_from(body)
+        (rdma_version,) = _HELLO_FIXED.unpack_from(body)
         pos = _HELLO_FIXED.size
         names = []
         for _ in range(2):
@@ -200,7 +183,7 @@ def decode_hello(body: bytes) -> Hello:
                 f"malformed hello from the peer: its {what} {quoted(name)} holds "
                 "characters outside [A-Za-z0-9._-]",
             )
-    return Hello(nonce, rdma_version, names[0], names[1])
+    return Hello(rdma_version, names[0], names[1])
 
 
 def decode_abort(body: bytes) -> AbortReason | None:
@@ -210,43 +193,14 @@ def decode_abort(body: bytes) -> AbortReason | None:
     return None
 
 
-def transcript(client_hello: bytes, server_hello: bytes) -> bytes:
-    """What both proofs and both keys are bound to: the two hello envelopes as sent."""
-    return client_hello + server_hello
+def prologue(version: int = PROTOCOL_VERSION) -> bytes:
+    """What the Noise handshake binds before its first message: the protocol and version."""
+    return MAGIC + version.to_bytes(2, "big")
 
 
-def compute_proof(secret: bytes, role: Literal["server", "client"], transcript: bytes) -> bytes:
-    """HMAC-SHA256 proof that the ``role`` side holds ``secret``, bound to ``transcript``."""
-    label = SERVER_PROOF_LABEL if role == "server" else CLIENT_PROOF_LABEL
-    return hmac.new(secret, label + transcript, hashlib.sha256).digest()
-
-
-def verify_proof(
-    secret: bytes, role: Literal["server", "client"], transcript: bytes, proof: bytes
-) -> bool:
-    """Constant-time check of a peer's proof."""
-    return hmac.compare_digest(compute_proof(secret, role, transcript), proof)
-
-
-@dataclass(frozen=True, repr=False)
-class SessionKeys:
-    """The two AES-256 keys of one connection, one per direction."""
-
-    client_to_server: bytes
-    server_to_client: bytes
-
-    def __repr__(self) -> str:
-        return "SessionKeys(redacted)"
-
-
-def derive_keys(secret: bytes, transcript: bytes) -> SessionKeys:
-    """HKDF-SHA256 keys for one connection: salt = SHA-256(transcript), info = direction."""
-    salt = hashlib.sha256(transcript).digest()
-
-    def one(info: bytes) -> bytes:
-        return HKDF(algorithm=hashes.SHA256(), length=32, salt=salt, info=info).derive(secret)
-
-    return SessionKeys(one(C2S_KEY_INFO), one(S2C_KEY_INFO))
+def psk_from_secret(secret: bytes) -> bytes:
+    """The handshake's 32-byte pre-shared key: HKDF-SHA256 of the cluster secret."""
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=PSK_SALT, info=PSK_INFO).derive(secret)
 
 
 def encode_verdict(verdict: Verdict, reason: str = "") -> bytes:

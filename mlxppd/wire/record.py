@@ -10,9 +10,15 @@ A record on the wire (docs/protocol.md, "Records")::
     16  tag           GCM tag over the ciphertext, with the 8 header bytes as associated data
 
 The nonce is never sent: it is the 64-bit count of records already sent in that direction,
-big-endian, after four zero bytes. Each direction has its own key (``handshake.derive_keys``),
-so a replayed, reordered, dropped or injected record is decrypted with the wrong nonce and fails
-its tag, exactly like an altered one.
+big-endian, after four zero bytes. Each direction has its own key (the Noise handshake's
+``Split``, ``noise.py``), so a replayed, reordered, dropped or injected record is decrypted with
+the wrong nonce and fails its tag, exactly like an altered one.
+
+Rekeying: a sender that has sealed ``rekey_after_records`` records, or held its key
+``rekey_after_s`` seconds, seals an empty REKEY record and from the next record on uses
+``HKDF(old key, "mlxpp/2 rekey")``; the receiver ratchets the same way on opening it. The ratchet
+is one-way, so a key recovered from memory later does not open the records sealed before it;
+the sequence numbers continue, so nonces never repeat under one key either.
 
 Two equivalent ways to seal and open are provided: one-shot (``AESGCM``, fastest for small
 records) and streaming (``Cipher`` in GCM mode, so a large tensor is encrypted piece by piece
@@ -27,8 +33,10 @@ import struct
 from collections.abc import Sequence
 
 from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from mlxppd.wire.errors import FrameError, FrameRejectReason
 from mlxppd.wire.limits import FrameLimits
@@ -43,6 +51,7 @@ __all__ = [
     "SealStream",
     "pack_record_header",
     "parse_record_header",
+    "ratchet",
     "record_nonce",
 ]
 
@@ -51,6 +60,7 @@ _HEADER_SIZE = RECORD_HEADER.size
 _NONCE = struct.Struct(">IQ")
 TAG_SIZE = 16
 _MAX_SEQUENCE = 2**64 - 1
+_REKEY_INFO = b"mlxpp/2 rekey"
 
 #: What the record layer accepts as bytes (``collections.abc.Buffer`` needs Python 3.12).
 Buffer = bytes | bytearray | memoryview
@@ -62,6 +72,7 @@ class RecordType(enum.IntEnum):
     VERDICT = 1  # the server's accept / at-capacity / refused answer, always sequence 0
     MESSAGE = 2  # one codec message
     CLOSE = 3  # an authenticated goodbye, so a cut connection is told apart from a closed one
+    REKEY = 4  # empty: the sender's next record is sealed with the ratcheted key
 
 
 _TYPES = {t.value: t for t in RecordType}
@@ -100,8 +111,13 @@ def parse_record_header(header: Buffer, limits: FrameLimits) -> tuple[RecordType
     return _TYPES[rtype], sealed_len - TAG_SIZE
 
 
+def ratchet(key: bytes) -> bytes:
+    """The key after a REKEY record: one-way, so it does not give back ``key``."""
+    return HKDF(hashes.SHA256(), 32, salt=None, info=_REKEY_INFO).derive(key)
+
+
 class _Direction:
-    """One direction's key and record counter."""
+    """One direction's key, record counter and key epoch."""
 
     def __init__(self, key: bytes):
         if len(key) != 32:
@@ -109,11 +125,32 @@ class _Direction:
         self._key = key
         self._aead = AESGCM(key)
         self._sequence = 0
+        #: how many times the key was replaced
+        self.epoch = 0
+        #: ``sequence`` when the key was last replaced
+        self.rekeyed_at_sequence = 0
 
     @property
     def sequence(self) -> int:
         """Number of records already sealed/opened in this direction."""
         return self._sequence
+
+    @property
+    def records_on_key(self) -> int:
+        """Records sealed/opened with the current key."""
+        return self._sequence - self.rekeyed_at_sequence
+
+    def rekey(self) -> None:
+        """Replace the key by its ratchet. Python cannot wipe the old ``bytes``; dropping
+        every reference to it (and to its AESGCM context) is what is possible."""
+        self._key = ratchet(self._key)
+        self._aead = AESGCM(self._key)
+        self.epoch += 1
+        self.rekeyed_at_sequence = self._sequence
+
+    def key_fingerprint(self) -> bytes:
+        """8 bytes that change with the key and do not reveal it (tests compare epochs)."""
+        return HKDF(hashes.SHA256(), 8, salt=None, info=b"mlxpp/2 key id").derive(self._key)
 
     def _next_nonce(self) -> bytes:
         sequence = self._sequence

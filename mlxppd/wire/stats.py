@@ -26,6 +26,12 @@ class WireStats:
     channels_established: int = 0
     #: connections a listener closed unread because too many handshakes were in progress
     preauth_refused: Counter[str] = field(default_factory=Counter)
+    #: keys this node replaced on its sending side (REKEY records sent)
+    rekeys_sent: int = 0
+    #: keys peers replaced (REKEY records received and opened)
+    rekeys_received: int = 0
+    #: open channels closed because their peer's key left the roster
+    revoked_channels: int = 0
 
     def snapshot(self) -> dict[str, object]:
         """A copy safe to hand to another thread or serialize."""
@@ -35,4 +41,7 @@ class WireStats:
             "verdicts_sent": dict(self.verdicts_sent),
             "channels_established": self.channels_established,
             "preauth_refused": dict(self.preauth_refused),
+            "rekeys_sent": self.rekeys_sent,
+            "rekeys_received": self.rekeys_received,
+            "revoked_channels": self.revoked_channels,
         }

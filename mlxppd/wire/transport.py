@@ -11,15 +11,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from mlxppd.core.config.roster import Roster
 from mlxppd.core.errors import ConfigurationError, TemporaryError
 from mlxppd.core.log_text import quoted
 from mlxppd.core.log_throttle import LogThrottle
-from mlxppd.wire.channel import SecureChannel
+from mlxppd.wire.channel import RekeyPolicy, SecureChannel
 from mlxppd.wire.errors import (
     ChannelClosedError,
     FrameError,
@@ -29,7 +31,9 @@ from mlxppd.wire.errors import (
 )
 from mlxppd.wire.handshake import Hello, Verdict, valid_name
 from mlxppd.wire.limits import FrameLimits
+from mlxppd.wire.node_key import NodeKey
 from mlxppd.wire.preauth import HandshakeGate
+from mlxppd.wire.roster_book import RosterBook
 from mlxppd.wire.secret import ClusterSecret
 from mlxppd.wire.session import HandshakeResult, Identity, client_handshake, server_handshake
 from mlxppd.wire.stats import WireStats
@@ -50,14 +54,19 @@ class WireConfig:
 
     cluster_name: str
     node_id: str
+    #: the cluster secret: the handshake's pre-shared key (a second factor to the node key)
     secret: ClusterSecret
+    #: this node's own long-term key; the roster must list its public half for ``node_id``
+    node_key: NodeKey
+    #: the node keys this node believes (shared by the node's transports, replaced on reload)
+    roster: RosterBook
     limits: FrameLimits = field(default_factory=FrameLimits)
+    #: when a channel replaces its keys (records sealed, seconds)
+    rekey: RekeyPolicy = field(default_factory=RekeyPolicy)
     #: seconds a peer has to complete the handshake, or it is dropped (slow-loris guard)
     handshake_timeout_s: float = 10.0
     #: accepted channels a listener holds at once; more get an authenticated "at capacity"
     max_connections: int = 64
-    #: node ids allowed to connect (None: any node holding the secret); others are refused
-    allowed_peers: frozenset[str] | None = None
     #: connections a listener lets handshake at once; more are closed before being read
     max_handshakes: int = 64
     #: connections from one source address a listener lets handshake at once; more are closed
@@ -124,12 +133,8 @@ class Listener:
         task.add_done_callback(lambda _: self.handshakes.release(stream))
 
     def _decide(self, peer: Hello) -> tuple[Verdict, str]:
+        # Membership was settled by the handshake (the roster); only capacity is left.
         config = self._transport.config
-        if config.allowed_peers is not None and peer.node_id not in config.allowed_peers:
-            return (
-                Verdict.REFUSED,
-                f"node {quoted(peer.node_id)} is not a member of this cluster",
-            )
         if self.active >= config.max_connections:
             return Verdict.AT_CAPACITY, f"{self.active} of {config.max_connections} connections"
         self.active += 1  # reserved now, so concurrent handshakes cannot overshoot
@@ -160,6 +165,21 @@ class Transport(ABC):
         self.config = config
         self.stats = stats if stats is not None else WireStats()
         self._failures_log = LogThrottle()
+        self._channels: weakref.WeakSet[SecureChannel] = weakref.WeakSet()
+        config.roster.watch(self)
+
+    def roster_changed(self, roster: Roster) -> None:
+        """Close the open channels whose peer the new roster no longer lists with its key."""
+        for channel in list(self._channels):
+            if channel.closed or roster.holds(channel.peer_node_id, channel.peer_key):
+                continue
+            self.stats.revoked_channels += 1
+            log.warning(
+                "wire: closing the channel to node %s at %s: its key is no longer in the roster",
+                quoted(channel.peer_node_id),
+                channel.peer_address,
+            )
+            channel.revoke()
 
     # -- what backends provide ----------------------------------------------------------------
 
@@ -224,13 +244,21 @@ class Transport(ABC):
 
     def _identity(self) -> Identity:
         c = self.config
-        return Identity(c.cluster_name, c.node_id, c.secret, c.limits, self._rdma_version())
+        return Identity(
+            c.cluster_name,
+            c.node_id,
+            c.secret,
+            c.node_key,
+            c.roster.current,
+            c.limits,
+            self._rdma_version(),
+        )
 
     async def _establish(self, stream: ByteStream, result: HandshakeResult) -> SecureChannel:
         stream = await self._after_handshake(stream, result.peer)
         stream.open_buffers()  # the peer is authenticated and accepted: full-size buffers now
         self.stats.channels_established += 1
-        return SecureChannel(
+        channel = SecureChannel(
             stream,
             result.sealer,
             result.opener,
@@ -239,7 +267,16 @@ class Transport(ABC):
             local_node_id=self.config.node_id,
             peer_node_id=result.peer.node_id,
             peer_rdma_version=result.peer.rdma_version,
+            peer_key=result.peer_key,
+            rekey=self.config.rekey,
         )
+        self._channels.add(channel)
+        # The handshake checked the roster of its start; one replaced since was not applied to
+        # this channel yet (it was in no list), so apply the current one now.
+        current = self.config.roster.current
+        if not current.holds(channel.peer_node_id, channel.peer_key):
+            self.roster_changed(current)
+        return channel
 
     def _handshake_failed(
         self, exc: BaseException, peer: str, *, accepted: bool = False

@@ -28,6 +28,7 @@ import pytest
 from mlxppd.core.protocol.sampling import MAX_SCHEMA_BYTES
 from mlxppd.runtime.local_cluster import free_port
 from mlxppd.wire.secret import write_new_secret
+from tests.support.node_keys import add_roster, write_node_keys
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -90,6 +91,8 @@ def cluster(
     config = tmp / "cluster.toml"
     ports = {"coordinator": free_port(), "stage0": free_port(), "stage1": free_port()}
     config.write_text(CLUSTER.format(**ports))
+    add_roster(config, NODES)
+    keys = write_node_keys(tmp / "keys", NODES)
     secret = tmp / "cluster.secret"
     write_new_secret(secret)
     http_port = free_port()
@@ -97,7 +100,8 @@ def cluster(
     for node in NODES:
         cmd = [sys.executable, "-m", "mlxppd.cli.mlxppd_main", "serve",
                "--distributed-config", str(config), "--node-id", node, "--model", str(chat_llama),
-               "--cluster-secret-file", str(secret)]  # fmt: skip
+               "--cluster-secret-file", str(secret),
+               "--node-key-file", str(keys[node])]  # fmt: skip
         if node == "coordinator":
             cmd += ["--port", str(http_port), "--ready-file", str(tmp / "coordinator.ready")]
         logs[node] = tmp / f"{node}.log"

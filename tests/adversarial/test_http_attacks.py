@@ -25,7 +25,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mlxppd.http.requests import ChatCompletionRequest, ChatMessage, CompletionRequest
-from mlxppd.wire.handshake import NONCE_BYTES, HandshakeType, pack_envelope
+from mlxppd.wire.handshake import HandshakeType, pack_envelope, prologue
+from mlxppd.wire.node_key import NodeKey
+from mlxppd.wire.noise import NoiseHandshake
 from tests.adversarial.bad_requests import one_bad_field, one_bad_message
 from tests.support.clusters import RunningCluster, stage_port_and_pid, start_cluster, wait_gone
 
@@ -271,11 +273,15 @@ def test_a_forged_newline_in_a_handshakes_cluster_name_is_logged_escaped(
     cluster: RunningCluster,
 ) -> None:
     """A client hello whose cluster name carries a newline: refused as bad_hello, and the
-    stage's log line shows the name escaped (built by hand: the encoder refuses such a name)."""
+    stage's log line shows the name escaped. The payload is built by hand (the encoder refuses
+    such a name), inside a genuine Noise message 1, which anyone can make: its key is public."""
     port, _ = stage_port_and_pid(cluster, 0)
     name, node = b"evil\nFORGED-HELLO-LINE", b"stage-9"
-    body = os.urandom(NONCE_BYTES) + b"\x00\x00" + bytes([len(name)]) + name
-    body += bytes([len(node)]) + node
+    payload = b"\x00\x00" + bytes([len(name)]) + name + bytes([len(node)]) + node
+    noise = NoiseHandshake(
+        initiator=True, static=NodeKey.generate(), psk=os.urandom(32), prologue=prologue()
+    )
+    body = noise.write_message_1(payload)
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
         sock.sendall(pack_envelope(HandshakeType.CLIENT_HELLO, body))
         sock.settimeout(30)

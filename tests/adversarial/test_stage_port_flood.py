@@ -3,8 +3,10 @@
 Before the pre-authentication limits, 2,000 silent connections took a stage from 206 MiB to
 1,446 MiB of resident memory (a 1 MiB receive buffer each). Now a connection holds a few KiB
 until its handshake is accepted, and at most 64 (8 per source address) may be handshaking:
-the rest are closed as they are accepted. The stage must come out of it serving the same
-greedy text.
+the rest are closed as they are accepted. Half the connections then send junk, the other half
+a genuine protocol 2 message 1 (which anyone can make, and which makes the stage answer with
+message 2 and hold a Noise state until message 3 or the timeout). The stage must come out of it
+serving the same greedy text.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from mlxppd.wire.handshake import HandshakeType, Hello, encode_hello, pack_envelope, prologue
+from mlxppd.wire.node_key import NodeKey
+from mlxppd.wire.noise import NoiseHandshake
 from tests.support.clusters import RunningCluster, stage_port_and_pid, start_cluster, wait_gone
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -97,14 +102,24 @@ def open_silent(port: int, count: int) -> list[socket.socket]:
     return conns
 
 
+def message_1() -> bytes:
+    """A well-formed CLIENT_HELLO from a node nobody knows (no secret, a fresh key)."""
+    noise = NoiseHandshake(
+        initiator=True, static=NodeKey.generate(), psk=os.urandom(32), prologue=prologue()
+    )
+    hello = encode_hello(Hello(0, "mlxpp-local", "stage-0"))  # the local cluster's names
+    return pack_envelope(HandshakeType.CLIENT_HELLO, noise.write_message_1(hello))
+
+
 def send_garbage(conns: list[socket.socket]) -> int:
-    """Write junk on every connection; how many writes the kernel took."""
+    """Write junk on every other connection and a genuine message 1 on the rest; how many
+    writes the kernel took."""
     junk = b"GET / HTTP/1.1\r\n" + os.urandom(4096)
     taken = 0
-    for sock in conns:
+    for i, sock in enumerate(conns):
         with contextlib.suppress(OSError):
             sock.settimeout(0.5)
-            sock.sendall(junk)
+            sock.sendall(junk if i % 2 else message_1())
             taken += 1
     return taken
 

@@ -27,9 +27,12 @@ from mlxppd.cli.serve_modes import (
 )
 from mlxppd.core.errors import ConfigurationError
 from tests.support.agents import node_tables
+from tests.support.node_keys import roster_toml
 
-CLUSTER_TOML = '[cluster]\nname = "flags-test"\npipeline_parallel_size = 2\n\n' + node_tables(
-    "127.0.0.1:19100", "127.0.0.1:19101", "127.0.0.1:19102"
+CLUSTER_TOML = (
+    '[cluster]\nname = "flags-test"\npipeline_parallel_size = 2\n\n'
+    + node_tables("127.0.0.1:19100", "127.0.0.1:19101", "127.0.0.1:19102")
+    + roster_toml(["coordinator", "stage-0", "stage-1"])
 )
 
 

@@ -22,6 +22,7 @@ import pytest
 
 from mlxppd.runtime.local_cluster import free_port
 from mlxppd.wire.secret import write_new_secret
+from tests.support.node_keys import roster_toml, write_node_keys
 from tests.support.references import greedy_answers
 from tests.support.tp_serving import QUESTION
 
@@ -60,7 +61,7 @@ def cluster_toml(ports: dict[str, int]) -> str:
             lines += ["", "[[nodes]]", f'id = "{node}"', f'address = "127.0.0.1:{ports[node]}"']
             lines += ['role = "pp_tp"', f"stage = {stage}", f"rank = {rank}"]
             lines += [f'tp_address = "127.0.0.1:{free_port()}"']
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + roster_toml(ports)
 
 
 @dataclass
@@ -108,13 +109,15 @@ def toml_cluster(
     config.write_text(cluster_toml({n: free_port() for n in nodes}))
     secret = tmp / "cluster.secret"
     write_new_secret(secret)
+    keys = write_node_keys(tmp / "keys", nodes)
     trace = tmp / "trace.json"
     http_port = free_port()
     procs, logs = {}, {}
     for node in nodes:
         cmd = [sys.executable, "-m", "mlxppd.cli.mlxppd_main", "serve",
                "--distributed-config", str(config), "--node-id", node, "--model", str(chat_llama),
-               "--cluster-secret-file", str(secret)]  # fmt: skip
+               "--cluster-secret-file", str(secret),
+               "--node-key-file", str(keys[node])]  # fmt: skip
         if node == "s1-r1":
             cmd += ["--kv-budget-bytes", str(SMALL_BUDGET)]
         if node == "coordinator":

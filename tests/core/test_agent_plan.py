@@ -23,6 +23,7 @@ from mlxppd.core.agent.plan import (
     StopStage,
     UpdateKvBudget,
     UpdatePolicy,
+    UpdateRoster,
     plan,
 )
 from mlxppd.core.config.cluster import ElasticPolicy, parse_cluster_config
@@ -30,8 +31,17 @@ from mlxppd.core.config.host import load_host_settings
 from mlxppd.core.cpu_weights import CpuWeights
 from mlxppd.core.layer_ranges import LayerRange
 from mlxppd.core.stages import STANDBY_INDEX
-from tests.support.agent_states import COORD, POLICY, STAGE, coord_node, running, stage_node
+from tests.support.agent_states import (
+    COORD,
+    POLICY,
+    ROSTER,
+    STAGE,
+    coord_node,
+    running,
+    stage_node,
+)
 from tests.support.cluster_toml import cluster_toml, grid_nodes
+from tests.support.node_keys import roster_for, roster_toml
 
 SPLIT_20 = (LayerRange(0, 20), LayerRange(20, 30))
 # A standby node's worker: same path as a stage's, no layers of its own.
@@ -44,13 +54,13 @@ CASES = [
         "a stage node starts its worker",
         stage_node(),
         ObservedState(),
-        [StartStage(STAGE), UpdatePolicy(POLICY), SetGeneration("g1")],
+        [UpdateRoster(ROSTER), StartStage(STAGE), UpdatePolicy(POLICY), SetGeneration("g1")],
     ),
     (
         "the coordinator starts its pipeline and HTTP",
         coord_node(),
         ObservedState(),
-        [StartCoordinator(COORD), UpdatePolicy(POLICY), SetGeneration("g1")],
+        [UpdateRoster(ROSTER), StartCoordinator(COORD), UpdatePolicy(POLICY), SetGeneration("g1")],
     ),
     # --- steady state ---------------------------------------------------------------------------
     ("a converged stage does nothing", stage_node(), running(stage=STAGE), []),
@@ -172,7 +182,7 @@ CASES = [
         "a standby node starts its (empty) worker",
         stage_node(STANDBY),
         ObservedState(),
-        [StartStage(STANDBY), UpdatePolicy(POLICY), SetGeneration("g1")],
+        [UpdateRoster(ROSTER), StartStage(STANDBY), UpdatePolicy(POLICY), SetGeneration("g1")],
     ),
     # Its layers are the coordinator's to give: whatever it adopted, nothing is undone.
     ("an unchanged standby does nothing", stage_node(STANDBY), running(stage=STANDBY), []),
@@ -247,7 +257,7 @@ CASES = [
     # --- policy and generation -----------------------------------------------------------------
     (
         "a new elastic policy is applied",
-        DesiredState("s0", "g2", ElasticPolicy(enabled=True), stage=STAGE),
+        DesiredState("s0", "g2", ElasticPolicy(enabled=True), stage=STAGE, roster=ROSTER),
         running(stage=STAGE),
         [UpdatePolicy(ElasticPolicy(enabled=True)), SetGeneration("g2")],
     ),
@@ -274,6 +284,52 @@ def test_plan_is_idempotent_once_applied() -> None:
     desired = coord_node(replace(COORD, layers=SPLIT_20), gen="g2")
     after = running(coord=desired.coordinator, gen="g2")
     assert plan(desired, after) == ()
+
+
+# -- the roster: after the stops, before the starts -----------------------------------------------
+
+#: ``ROSTER`` with node ``s1``'s line removed (the operator revoked it)
+WITHOUT_S1 = roster_for(("c", "s0"))
+
+
+def test_a_removed_roster_line_updates_the_roster_alone() -> None:
+    desired = replace(coord_node(gen="g2"), roster=WITHOUT_S1)
+    assert plan(desired, running(coord=COORD)) == (UpdateRoster(WITHOUT_S1), SetGeneration("g2"))
+
+
+def test_the_new_roster_comes_after_the_stops_and_before_the_starts() -> None:
+    # The coordinator becomes a stage under a new roster: its pipeline's links go first, the
+    # worker it starts then accepts only the keys the new roster lists.
+    desired = replace(stage_node(gen="g2"), roster=WITHOUT_S1)
+    assert plan(desired, running(coord=COORD)) == (
+        StopCoordinator("this node is no longer the coordinator"),
+        UpdateRoster(WITHOUT_S1),
+        StartStage(STAGE),
+        SetGeneration("g2"),
+    )
+
+
+def test_a_reload_or_rebind_under_a_new_roster_uses_the_new_one() -> None:
+    moved = replace(STAGE, layers=LayerRange(0, 20), port=19002)
+    desired = replace(stage_node(moved, gen="g2"), roster=WITHOUT_S1)
+    actions = plan(desired, running(stage=STAGE))
+    assert actions[0] == UpdateRoster(WITHOUT_S1)
+    assert [type(a) for a in actions[1:]] == [ReloadStage, RebindStage, SetGeneration], actions
+
+
+def test_an_unchanged_roster_plans_no_update() -> None:
+    for desired, observed in [
+        (stage_node(gen="g2"), running(stage=STAGE)),
+        (coord_node(replace(COORD, layers=SPLIT_20), gen="g2"), running(coord=COORD)),
+        (stage_node(gen="g2"), running(coord=COORD)),  # a role change, the same keys
+    ]:
+        actions = plan(desired, observed)
+        assert not any(isinstance(a, UpdateRoster) for a in actions), actions
+
+
+def test_a_node_believing_no_roster_yet_takes_the_files_first() -> None:
+    actions = plan(stage_node(), ObservedState())
+    assert actions[0] == UpdateRoster(ROSTER)
 
 
 def test_a_standby_target_has_no_layers_and_a_stage_target_has_some() -> None:
@@ -324,7 +380,7 @@ stage = 1
 id = "spare"
 address = "10.0.0.4:19002"
 role = "standby"
-"""
+""" + roster_toml(["coordinator", "stage-0", "stage-1", "spare"])
 
 
 def _desired(tmp_path: Path, node_id: str, cluster: str = CLUSTER) -> DesiredState:
@@ -348,6 +404,7 @@ def test_a_standby_node_wants_a_worker_with_no_layers(tmp_path: Path) -> None:
         cpu_weights=CpuWeights.NATIVE,
     )
     assert plan(desired, ObservedState()) == (
+        UpdateRoster(desired.roster),
         StartStage(desired.stage),
         UpdatePolicy(desired.policy),
         SetGeneration("g1"),
@@ -376,12 +433,12 @@ def test_a_role_edit_from_stage_to_standby_restarts_the_worker(tmp_path: Path) -
         edited = edited.replace(old, new)
     after = _desired(tmp_path, "stage-1", edited)
     assert before.stage is not None and after.stage is not None and after.stage.standby
-    assert plan(after, running(stage=before.stage)) == (
+    assert plan(after, running(stage=before.stage, roster=before.roster)) == (
         StopStage("this node's role changed from pipeline_stage to standby"),
         StartStage(after.stage),
     )
     # Applied, the standby plans nothing more on later passes.
-    assert plan(after, running(stage=after.stage)) == ()
+    assert plan(after, running(stage=after.stage, roster=after.roster)) == ()
 
 
 # -- a tensor-parallel rank --------------------------------------------------------------------
@@ -408,7 +465,7 @@ def test_a_tensor_parallel_stage_restarts_rather_than_changing_in_place() -> Non
 
 
 def test_a_stage_that_lost_a_rank_starts_again() -> None:
-    lost = ObservedState("g1", POLICY, RANK_1, None, True, ring_lost=True)
+    lost = ObservedState("g1", POLICY, RANK_1, None, True, ring_lost=True, roster=ROSTER)
     assert plan(stage_node(RANK_1), lost) == (
         StopStage("a tensor-parallel rank of this stage was lost"),
         StartStage(RANK_1),

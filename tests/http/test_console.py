@@ -5,10 +5,11 @@ KV budget, elastic repartitioning and a cluster secret made by ``mlxppctl secret
 In order, on one cluster: without the API key the page shows the login and no data; with it
 the badge reads healthy and each stage card shows its real layer range and a KV bar; requests
 put points on the tokens chart; actions without the admin key (or with another) are refused;
-a drain turns the badge degraded and a resume heals it; a repartition started from the page
-completes and the cards show the new ranges (and the answers stay mlx-lm's); a killed stage
-turns the badge unhealthy and its card red. Screenshots of each state, at desktop and phone
-widths, go to ``build/console-screenshots`` (``MLXPP_CONSOLE_SCREENSHOTS`` elsewhere).
+a drain turns the badge degraded and a resume heals it; on a second cluster that lists
+[operators], only the operator key's line signs a drain from the page; a repartition started
+from the page completes and the cards show the new ranges (and the answers stay mlx-lm's); a
+killed stage turns the badge unhealthy and its card red. Screenshots of each state, at desktop
+and phone widths, go to ``build/console-screenshots`` (``MLXPP_CONSOLE_SCREENSHOTS`` elsewhere).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import httpx
 import pytest
 
 from mlxppd.wire.admin_auth import AdminAuthError, AdminVerifier
+from mlxppd.wire.operator_key import OperatorKey, Operators
 from mlxppd.wire.secret import write_new_secret
 from tests.support.agents import VENV_BIN
 from tests.support.clusters import RunningCluster, kill, start_cluster
@@ -294,6 +296,44 @@ def test_a_drain_from_the_page_degrades_the_badge_and_a_resume_heals_it(console:
     assert console.state()["status"]["coordinator"]["admission"] == "open"
 
 
+def test_a_drain_from_the_page_signed_with_an_operator_key(
+    console: Console, tmp_path: Path
+) -> None:
+    """A cluster that lists [operators]: the legacy admin key is refused with a message saying
+    to sign with an operator key; the operator key file's line, pasted, drains and resumes."""
+    key = tmp_path / "alice.key"
+    made = subprocess.run(
+        [str(VENV_BIN / "mlxppctl"), "operator-key", "new", str(key), "--name", "alice"],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    flags = ("--pp-size", "2", "--api-key", API_KEY, "--operator", made.stdout.strip())
+    cluster = start_cluster(tmp_path, console.env, *flags)
+    try:
+        listed = Console(cluster, console.browser, "", tmp_path, console.env, flags)
+        page = listed.page()
+        wait_health(page, "healthy")
+        result = page.locator("[data-testid=action-result]")
+        page.fill("#admin-key", "ab" * 32)
+        page.click("#drain")
+        page.wait_for_function(
+            "() => /operator key/.test(document.querySelector('[data-testid=action-result]')"
+            ".textContent)"
+        )
+        assert result.get_attribute("data-outcome") == "refused"
+        assert listed.state()["status"]["coordinator"]["admission"] == "open"
+        page.fill("#admin-key", key.read_text().strip())
+        page.click("#drain")
+        wait_health(page, "degraded")
+        assert result.get_attribute("data-outcome") == "accepted"
+        assert listed.state()["status"]["coordinator"]["admission"] == "draining"
+        shoot(page, "operator-drain-desktop")
+        page.click("#resume")
+        wait_health(page, "healthy")
+        assert page.errors == []
+    finally:
+        assert cluster.stop() == 0, cluster.log()[-3000:]
+
+
 def test_a_repartition_from_the_page_completes_and_the_cards_show_it(
     console: Console, reference: str
 ) -> None:
@@ -411,6 +451,29 @@ def test_the_page_signs_as_mlxppctl_does(console: Console) -> None:
             [console.admin_key, message[:size].hex()],
         )
         assert got == hmac.new(key, message[:size], "sha256").hexdigest(), size
+    assert page.errors == []
+
+
+def test_the_page_signs_with_an_operator_key_as_mlxppctl_does(console: Console) -> None:
+    """Ed25519 through the browser's WebCrypto: the coordinator's verifier takes the page's
+    signature for the listed operator, and refuses it for another body."""
+    page = console.page()
+    key = OperatorKey.generate("alice")
+    verifier = AdminVerifier(
+        b"k" * 32, cluster_name="mlxpp-local", clock=time.time,
+        operators=Operators.of({"alice": key.public}),
+    )  # fmt: skip
+    body = b'{"pp_layers": "0-9,10-29"}'
+    sign = (
+        "([key, body]) => MlxppSign.authorization(key, 'POST', '/admin/v1/repartition',"
+        " new TextEncoder().encode(body), 'mlxpp-local', 'node-a:8080', Date.now() / 1000)"
+    )
+    header = page.evaluate(sign, [key.file_text().strip(), body.decode()])
+    assert header.startswith("MLXPP-ED25519 name=alice,")
+    verifier.verify(header, "POST", "/admin/v1/repartition", body, host="node-a:8080")
+    other = page.evaluate(sign, [key.file_text().strip(), body.decode()])
+    with pytest.raises(AdminAuthError, match="bad_signature"):
+        verifier.verify(other, "POST", "/admin/v1/repartition", b"{}", host="node-a:8080")
     assert page.errors == []
 
 

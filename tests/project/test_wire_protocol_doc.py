@@ -7,12 +7,15 @@ from enum import IntEnum
 
 import pytest
 
-from mlxppd.wire import handshake, record, secret, streams, version
+from mlxppd.core.config.cluster import ClusterSection
+from mlxppd.wire import handshake, noise, record, secret, streams, version
+from mlxppd.wire.channel import RekeyPolicy
 from mlxppd.wire.codec import MESSAGE_HEADER, MessageKind
 from mlxppd.wire.dtypes import DTYPES
 from mlxppd.wire.errors import FrameRejectReason, HandshakeFailure, PreauthRefusal
 from mlxppd.wire.handshake import AbortReason, HandshakeType, Verdict
 from mlxppd.wire.limits import MAX_NDIM, FrameLimits
+from mlxppd.wire.node_key import NodeKey
 from mlxppd.wire.rdma import negotiate_rdma
 from mlxppd.wire.record import RecordType
 from tests.support.paths import REPO_ROOT
@@ -27,13 +30,14 @@ CODE_CONSTANTS = {
     "MAGIC": handshake.MAGIC,
     "ENVELOPE_BYTES": handshake.ENVELOPE.size,
     "MAX_BODY": handshake.MAX_BODY,
-    "NONCE_BYTES": handshake.NONCE_BYTES,
-    "PROOF_BYTES": handshake.PROOF_BYTES,
     "MAX_VERDICT_REASON": handshake.MAX_VERDICT_REASON,
-    "SERVER_PROOF_LABEL": handshake.SERVER_PROOF_LABEL,
-    "CLIENT_PROOF_LABEL": handshake.CLIENT_PROOF_LABEL,
-    "C2S_KEY_INFO": handshake.C2S_KEY_INFO,
-    "S2C_KEY_INFO": handshake.S2C_KEY_INFO,
+    "NOISE_PROTOCOL_NAME": noise.PROTOCOL_NAME,
+    "DH_BYTES": noise.DH_BYTES,
+    "PSK_SALT": handshake.PSK_SALT,
+    "PSK_INFO": handshake.PSK_INFO,
+    "REKEY_INFO": record._REKEY_INFO,  # private to the record layer; the doc names it
+    "DEFAULT_REKEY_AFTER_RECORDS": RekeyPolicy().after_records,
+    "DEFAULT_REKEY_AFTER_S": RekeyPolicy().after_s,
     "RECORD_HEADER_BYTES": record.RECORD_HEADER.size,
     "TAG_BYTES": record.TAG_SIZE,
     "MESSAGE_HEADER_BYTES": MESSAGE_HEADER.size,
@@ -120,3 +124,43 @@ def test_the_secret_sources_are_documented_in_lookup_order() -> None:
     assert f"hex of at least {secret.MIN_HEX_DIGITS} digits" in DOC
     assert f"at least {secret.MIN_BASE64_CHARS} characters" in DOC
     assert f"at least {secret.MIN_SECRET_BYTES} of them" in DOC
+
+
+def _noise_messages() -> list[bytes]:
+    """The three bodies of a real handshake, for their sizes."""
+    psk = handshake.psk_from_secret(b"s" * 32)
+    client = noise.NoiseHandshake(
+        initiator=True, static=NodeKey.generate(), psk=psk, prologue=handshake.prologue()
+    )
+    server = noise.NoiseHandshake(
+        initiator=False, static=NodeKey.generate(), psk=psk, prologue=handshake.prologue()
+    )
+    hello = handshake.encode_hello(handshake.Hello(0, "c", "n"))
+    sent = [client.write_message_1(hello)]
+    server.read_message_1(sent[0])
+    sent.append(server.write_message_2(hello))
+    client.read_message_2(sent[1])
+    sent.append(client.write_message_3(b""))
+    server.read_message_3(sent[2])
+    return sent
+
+
+def test_the_handshake_section_matches_the_noise_code() -> None:
+    hello = len(handshake.encode_hello(handshake.Hello(0, "c", "n")))
+    m1, m2, m3 = (len(m) for m in _noise_messages())
+    assert (m1, m2, m3) == (32 + hello + 16, 32 + 48 + hello + 16, 64)
+    assert "Message 3, the client's proof (`CLIENT_PROOF` body, always 64 bytes)" in DOC
+    assert "| 32 | 48 | the server's static key, encrypted (after `ee`), with its tag |" in DOC
+    assert "| 0 | 48 | the client's static key, encrypted (after `es`), with its tag |" in DOC
+    assert handshake.prologue() == handshake.MAGIC + version.PROTOCOL_VERSION.to_bytes(2, "big")
+    assert "Prologue: `MAGIC || u16 PROTOCOL_VERSION` (6 bytes)" in DOC
+    assert len(noise.PROTOCOL_NAME) == 32 and "exactly 32 bytes" in DOC
+    assert "`psk = HKDF-SHA256(ikm=cluster secret, salt=PSK_SALT, info=PSK_INFO," in DOC
+    assert "next_key = HKDF-SHA256(ikm=key, salt=none, info=REKEY_INFO, length=32)" in DOC
+
+
+def test_the_rekey_defaults_are_the_cluster_tomls() -> None:
+    fields = ClusterSection.model_fields
+    assert fields["rekey_after_records"].default == RekeyPolicy().after_records == 2**24
+    assert fields["rekey_after_s"].default == RekeyPolicy().after_s == 120.0
+    assert "(default 2^24," in DOC and "(default 120," in DOC

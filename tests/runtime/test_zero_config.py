@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shutil
 import socket
+import stat
 import subprocess
 import time
 from collections.abc import Iterator
@@ -17,9 +18,12 @@ from typing import Any
 import pytest
 
 from mlxppd import __version__
+from mlxppd.core.config.cluster import parse_cluster_config
 from mlxppd.runtime.local_cluster import free_port
+from mlxppd.wire.node_key import load_node_key
 from tests.support.adapters import adapted_answers, random_adapter
 from tests.support.agents import CHAT, VENV_BIN, Hosts, in_host_python, netns_unavailable
+from tests.support.node_keys import roster_toml, write_node_keys
 from tests.support.references import greedy_answers
 
 pytestmark = pytest.mark.slow
@@ -281,6 +285,14 @@ def test_bring_up_answers_like_mlx_lm(
     # Each peer holds the very bytes the coordinator planned, under its own node id.
     assert (procs.root / ".mlxpp" / "cluster-stage-0.toml").read_text() == plan
     assert (procs.root / ".mlxpp" / "cluster-stage-1.toml").read_text() == plan
+    # It serves with node keys: the roster lists every node's own key, each beside its TOML.
+    roster = parse_cluster_config(plan, "plan").node_roster
+    assert roster.node_ids() == {"coordinator", "stage-0", "stage-1"}
+    for stem, node in [("cluster", "coordinator"), ("cluster-stage-0", "stage-0"),
+                       ("cluster-stage-1", "stage-1")]:  # fmt: skip
+        key_file = procs.root / ".mlxpp" / f"{stem}.node.key"
+        assert stat.S_IMODE(key_file.stat().st_mode) == 0o600, key_file
+        assert roster.key_of(node) == load_node_key(node, flag_path=key_file).public
     if discovery == "mdns":
         assert "discovered peer" in procs.log("coordinator")
 
@@ -370,8 +382,9 @@ def test_a_peer_given_a_cluster_toml_uses_it_as_is(
         f'[[nodes]]\nid = "stage-0"\naddress = "127.0.0.1:{port}"\nrole = "pipeline_stage"\n'
         "stage = 0\n\n"
         f'[[nodes]]\nid = "stage-1"\naddress = "127.0.0.1:{free_port()}"\n'
-        'role = "pipeline_stage"\nstage = 1\n'
+        'role = "pipeline_stage"\nstage = 1\n' + roster_toml(["coordinator", "stage-0", "stage-1"])
     )
+    write_node_keys(tmp_path, ["stage-0"])["stage-0"].rename(tmp_path / "node.key")  # beside it
     ready = tmp_path / "ready"
     proc = subprocess.Popen(
         [MLXPPD, "serve", "--pp-peer", "--distributed-config", str(toml), "--node-id", "stage-0",

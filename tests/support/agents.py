@@ -15,9 +15,12 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from tests.support.node_keys import write_agent_key
 
 VENV_BIN = Path(sys.executable).parent
 
@@ -239,6 +242,37 @@ def start_local_agent(config_dir: Path, env: dict[str, str], *flags: str) -> Age
             stderr=subprocess.STDOUT,
         )
     return AgentProcess(-1, config_dir, process, notify, log_path)
+
+
+def write_agent_dirs(config_dirs: Sequence[Path], node_ids: Sequence[str], host_toml: str) -> None:
+    """Each node's config directory, as on its own host: its node key (``node.key``) and its
+    ``mlxppd.toml``, ``host_toml`` with ``{node}`` replaced by the node's id."""
+    for node, etc in zip(node_ids, config_dirs, strict=True):
+        etc.mkdir()
+        write_agent_key(etc, node)
+        (etc / "mlxppd.toml").write_text(host_toml.replace("{node}", node))
+
+
+def write_cluster_toml(config_dirs: Sequence[Path], text: str) -> None:
+    """``text`` as every host's cluster.toml, each replaced at once (an agent may be reading)."""
+    for config_dir in config_dirs:
+        tmp = config_dir / "cluster.toml.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, config_dir / "cluster.toml")
+
+
+def start_ready_agents(config_dirs: Sequence[Path], env: dict[str, str]) -> list[AgentProcess]:
+    """One local agent per config dir, the last first (stages before the coordinator, which
+    connects to them), each waited for until READY; returned in the dirs' order. An agent
+    that never gets ready fails the test with the tail of its log."""
+    started = {i: start_local_agent(config_dirs[i], env) for i in reversed(range(len(config_dirs)))}
+    agents = [started[i] for i in range(len(config_dirs))]
+    for agent in agents:
+        try:
+            agent.notify.wait_for("READY", timeout=300)
+        except AssertionError:
+            raise AssertionError(agent.log()[-4000:]) from None
+    return agents
 
 
 def node_tables(coordinator: str, stage0: str, stage1: str) -> str:

@@ -19,6 +19,7 @@ from typing import Any
 from mlxppd.wire.secret import write_new_secret
 from tests.support.agents import AgentProcess, Hosts, start_agent, wait_for_status
 from tests.support.ctl_runner import CtlRunner
+from tests.support.node_keys import roster_toml, write_agent_key
 
 HTTP_PORT = 8080
 QUESTIONS = [
@@ -72,6 +73,9 @@ id = "standby-0"
 address = "{a[4]}:19001"
 role = "standby"
 """
+#: the node each host is, in host order (its agent's config directory holds that node's key)
+HOST_NODES = ("coordinator", "stage-0", "stage-1", "stage-2", "standby-0")
+CLUSTER += roster_toml(HOST_NODES)  # base64 holds no braces for str.format to read
 
 # Streams every request of argv[2] (JSON) at once; when the first has sent argv[4] chunks,
 # sends signal argv[5] to pid argv[3] (0: none) and creates the file argv[6].
@@ -262,6 +266,7 @@ def running_cluster(
         for host in range(5):
             running.config_dir(host).mkdir(parents=True)
             (running.config_dir(host) / "cluster.toml").write_text(text)
+            write_agent_key(running.config_dir(host), HOST_NODES[host])
             write_settings(running, host)
         for host in (4, 3, 2, 1, 0):
             running.start(host)

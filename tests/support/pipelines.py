@@ -21,6 +21,7 @@ from mlxppd.runtime.stage.loader import layer_preparer, load_stage_runner, stage
 from mlxppd.runtime.stage.worker import StageWorker
 from mlxppd.runtime.system.mlx_thread import MlxThread
 from mlxppd.wire.backends import create_transport
+from tests.support.node_keys import node_key_for, roster_toml
 from tests.support.wire import CLUSTER, SECRET, config
 
 SPLIT = (StageSpec(0, 2, 0, 3), StageSpec(1, 2, 3, 6))
@@ -48,6 +49,8 @@ address = "127.0.0.1:{port1}"
 role = "pipeline_stage"
 stage = 1
 """
+#: the TOML's [roster]: each node's test key (the stage workers hold theirs, tests/support/wire.py)
+CLUSTER_TOML += roster_toml(["coordinator", "stage-0", "stage-1"])  # base64: no braces
 
 
 async def stage_worker(
@@ -79,6 +82,7 @@ async def pipeline(
         plan = tuple(LayerRange(w.spec.start, w.spec.end) for w in workers)
         base = CoordinatorSetup(
             cluster=cluster, node_id="coordinator", secret=SECRET, transport="tcp", plan=plan,
+            node_key=node_key_for("coordinator"),
             micro_batch_size=1, parallel=4, warmup=False, align=False,
         )  # fmt: skip
         if model is not None:

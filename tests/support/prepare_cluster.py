@@ -23,9 +23,12 @@ from tests.support.agents import (
     wait_for_status,
 )
 from tests.support.ctl_runner import CtlRunner
+from tests.support.node_keys import roster_toml, write_agent_key
 
 QUESTION = "What is the capital of France?"
 HTTP_PORT = 8080
+#: the node each host is (its config directory holds that node's key)
+HOST_NODES = ("coordinator", "stage-0", "stage-1")
 
 
 def cluster_text(hosts: Hosts, secret: Path, auto_prepare: bool) -> str:
@@ -34,7 +37,8 @@ def cluster_text(hosts: Hosts, secret: Path, auto_prepare: bool) -> str:
         f'[cluster]\nname = "prepare-test"\npipeline_parallel_size = 2\n'
         f'secret_file = "{secret}"\nauto_prepare = {str(auto_prepare).lower()}\n\n'
     )
-    return head + node_tables(f"{a0}:19000", f"{a1}:19001", f"{a2}:19001")
+    nodes = node_tables(f"{a0}:19000", f"{a1}:19001", f"{a2}:19001")
+    return head + nodes + roster_toml(HOST_NODES)
 
 
 class Cluster:
@@ -129,6 +133,7 @@ def prepare_cluster(root: Path, models: list[Path]) -> Iterator[Cluster]:
             config_dir = running.config_dir(i)
             config_dir.mkdir(parents=True)
             (config_dir / "cluster.toml").write_text(text)
+            write_agent_key(config_dir, HOST_NODES[i])
             (config_dir / "mlxppd.toml").write_text(
                 f'model = "{models[i]}"\nhttp_host = "0.0.0.0"\nhttp_port = {HTTP_PORT}\n'
                 f'reconcile_interval_s = 2.0\nstate_dir = "{root / f"host{i}"}"\n'

@@ -25,6 +25,7 @@ from mlxppd.engine.stage_digest import StoredTensor
 from mlxppd.runtime.coordinator.control_client import ControlClient
 from mlxppd.runtime.coordinator.model_sender import ShipProgress, manifest_for, ship_stage
 from mlxppd.wire.backends import create_transport, wire_config_for
+from mlxppd.wire.node_key import load_node_key
 from mlxppd.wire.secret import load_cluster_secret
 from mlxppd.wire.transport import Transport
 
@@ -93,7 +94,9 @@ async def attack(argv: list[str]) -> dict[str, Any]:
     secret = load_cluster_secret(
         config_secret_file=cluster.cluster.secret_file, config_dir=config_path
     )
-    transport = create_transport("tcp", wire_config_for(cluster, "coordinator", secret))
+    # The coordinator's own key, from its config directory: the hostile peer is that node.
+    key = load_node_key("coordinator", config_dir=config_path)
+    transport = create_transport("tcp", wire_config_for(cluster, "coordinator", secret, key))
     node = Node(id="stage-1", address=address, role=NodeRole.PIPELINE_STAGE, stage=1)
     if name == "adapter-link":
         reply = await _adapter_load(transport, node, argv[6])

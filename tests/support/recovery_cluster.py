@@ -30,6 +30,7 @@ from mlxppd.runtime.node_start import (
 )
 from mlxppd.runtime.stage.worker import StageWorker
 from mlxppd.runtime.system.mlx_thread import MlxThread
+from tests.support.node_keys import node_key_for, roster_toml
 from tests.support.wire import CLUSTER, SECRET
 
 PROMPT = [1, 17, 33, 9, 120, 5]
@@ -76,7 +77,9 @@ def failover_toml(ports: list[int], stages: int, standbys: int, failover: dict[s
             f'[[nodes]]\nid = "standby-{j}"\naddress = "127.0.0.1:{ports[stages + j]}"\n'
             'role = "standby"\n'
         )
-    return "\n".join(lines)
+    ids = ["coordinator", *(f"stage-{i}" for i in range(stages))]
+    ids += [f"standby-{j}" for j in range(standbys)]
+    return "\n".join(lines) + roster_toml(ids)
 
 
 @dataclass
@@ -97,6 +100,7 @@ class Nodes:
         model = model or self.model
         setup = StageSetup(
             cluster=self.cluster, node_id=node_id, secret=SECRET, model_dir=model,
+            node_key=node_key_for(node_id),
             model_config=json.loads((model / "config.json").read_text()), spec=spec,
             host="127.0.0.1", port=node.port, transport="tcp", kv_budget_bytes=None,
             max_sequences=8, cpu_weights=CpuWeights.AUTO,
@@ -133,6 +137,7 @@ async def cluster_of(
             await nodes.start(f"standby-{j}", StageSpec.standby(len(split)))
         setup = CoordinatorSetup(
             cluster=nodes.cluster, node_id="coordinator", secret=SECRET, transport="tcp",
+            node_key=node_key_for("coordinator"),
             plan=plan_of(split), micro_batch_size=1, parallel=4, warmup=False, align=False,
             model_config=json.loads((model / "config.json").read_text()), model_dir=model,
         )  # fmt: skip

@@ -13,6 +13,7 @@ from mlxppd.wire.rdma import RdmaTransport
 from mlxppd.wire.tcp import TcpTransport
 from mlxppd.wire.thunderbolt import ThunderboltTransport, bridge_addresses
 from mlxppd.wire.transport import Transport
+from tests.support.node_keys import node_key_for, roster_for, roster_toml
 from tests.support.wire import SECRET, config, run
 
 pytestmark = pytest.mark.timeout(30)
@@ -62,7 +63,7 @@ id = "stage-1"
 address = "127.0.0.1:19002"
 role = "pipeline_stage"
 stage = 1
-"""
+""" + roster_toml(["coordinator", "stage-0", "stage-1"])
 
 
 @pytest.mark.parametrize(("name", "cls"), [("tcp", TcpTransport), ("rdma", RdmaTransport)])
@@ -114,11 +115,15 @@ def test_thunderbolt_without_a_routable_bridge_refuses_to_listen() -> None:
     run(wrong_host)
 
 
-def test_the_cluster_toml_gives_the_backend_the_name_and_the_members() -> None:
+def test_the_cluster_toml_gives_the_backend_the_name_the_roster_and_the_rekey_defaults() -> None:
     cluster = parse_cluster_config(CLUSTER_TOML, "cluster.toml")
-    wire = wire_config_for(cluster, "stage-0", SECRET)
+    wire = wire_config_for(cluster, "stage-0", SECRET, node_key_for("stage-0"))
     assert wire.cluster_name == "pp" and wire.node_id == "stage-0"
-    assert wire.allowed_peers == frozenset({"coordinator", "stage-0", "stage-1"})
+    assert wire.roster.current == roster_for(["coordinator", "stage-0", "stage-1"])
+    assert (wire.rekey.after_records, wire.rekey.after_s) == (2**24, 120.0)
     assert type(create_transport(cluster.cluster.transport_backend, wire)) is RdmaTransport
     with pytest.raises(ConfigurationError, match="not in the cluster TOML"):
-        wire_config_for(cluster, "stage-7", SECRET)
+        wire_config_for(cluster, "stage-7", SECRET, node_key_for("stage-7"))
+    # Another node's key file: refused at start, not at every handshake later.
+    with pytest.raises(ConfigurationError, match="is not node stage-0's key"):
+        wire_config_for(cluster, "stage-0", SECRET, node_key_for("stage-1"))

@@ -26,7 +26,9 @@ from mlxppd.wire.errors import (
 )
 from mlxppd.wire.handshake import ENVELOPE, MAGIC, HandshakeType, pack_envelope
 from mlxppd.wire.limits import FrameLimits
+from mlxppd.wire.roster_book import RosterBook
 from mlxppd.wire.version import PROTOCOL_VERSION
+from tests.support.node_keys import roster_for
 from tests.support.wire import (
     OTHER_SECRET,
     SECRET_TEXT,
@@ -223,16 +225,21 @@ def test_a_message_over_the_frame_limit_is_refused_locally_and_the_channel_stays
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_wrong_secret_is_refused_by_both_sides(backend: str) -> None:
+def test_a_wrong_secret_is_refused_by_the_server_and_the_client_learns_only_that(
+    backend: str,
+) -> None:
+    """A listed node with the wrong secret: its third message fails the PSK, and the server
+    closes without a verdict, so the client cannot tell which factor it lacks."""
+
     async def scenario() -> None:
         server = create_transport(backend, config("server"))
-        intruder = create_transport(backend, config("intruder", secret=OTHER_SECRET))
+        intruder = create_transport(backend, config("client", secret=OTHER_SECRET))
         async with await serve(server) as listener:
-            with pytest.raises(HandshakeError, match="does not match this node's cluster secret"):
+            with pytest.raises(HandshakeError, match="closed the connection instead of answering"):
                 await intruder.connect(*listener.address)
             await eventually(lambda: bool(server.stats.handshake_failures))
-            assert dict(intruder.stats.handshake_failures) == {"bad_proof": 1}
-            assert dict(server.stats.handshake_failures) == {"peer_rejected_proof": 1}
+            assert dict(intruder.stats.handshake_failures) == {"peer_rejected_proof": 1}
+            assert dict(server.stats.handshake_failures) == {"bad_proof": 1}
             assert not server.stats.verdicts_sent
             await assert_serving(listener, backend)
 
@@ -268,15 +275,18 @@ def test_a_client_refuses_a_server_that_is_not_the_node_it_dialed() -> None:
     run(scenario)
 
 
-def test_a_node_outside_the_cluster_gets_an_authenticated_refusal() -> None:
+def test_a_node_the_roster_does_not_list_gets_the_refusal_a_wrong_secret_gets() -> None:
     async def scenario() -> None:
-        server = create_transport("tcp", config("server", allowed_peers=frozenset({"stage-1"})))
+        roster = RosterBook(roster_for(["server", "stage-1"]))
+        server = create_transport("tcp", config("server", roster=roster))
         async with await serve(server) as listener:
-            outsider = create_transport("tcp", config("stage-9"))
-            with pytest.raises(HandshakeError, match="'stage-9' is not a member"):
+            outsider = create_transport("tcp", config("stage-9"))  # right secret, own key
+            with pytest.raises(HandshakeError, match="closed the connection instead of answering"):
                 await outsider.connect(*listener.address)
-            assert dict(outsider.stats.handshake_failures) == {"refused": 1}
-            assert dict(server.stats.verdicts_sent) == {"refused": 1}
+            await eventually(lambda: bool(server.stats.handshake_failures))
+            assert dict(outsider.stats.handshake_failures) == {"peer_rejected_proof": 1}
+            assert dict(server.stats.handshake_failures) == {"bad_proof": 1}
+            assert not server.stats.verdicts_sent  # no authenticated refusal: nothing to probe
             member = create_transport("tcp", config("stage-1"))
             channel = await member.connect(*listener.address)
             await channel.close()
@@ -304,18 +314,20 @@ def test_a_full_listener_answers_at_capacity_until_a_slot_frees(backend: str) ->
     run(scenario)
 
 
+@pytest.mark.parametrize("other", [1, PROTOCOL_VERSION + 1], ids=["protocol 1", "a later one"])
 def test_a_version_mismatch_is_refused_naming_both_versions(
-    caplog: pytest.LogCaptureFixture,
+    other: int, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A node of protocol version 2 dials us: we answer with our version and both refuse."""
+    """A node of another protocol version dials us (one not yet upgraded from protocol 1, or
+    one already newer): we answer with our version and both refuse."""
     caplog.set_level(logging.WARNING, logger="mlxppd.wire")
-    future = PROTOCOL_VERSION + 1
+    future = other
 
     async def scenario() -> None:
         server = create_transport("tcp", config("server"))
         async with await serve(server) as listener:
             reader, writer = await asyncio.open_connection(*listener.address)
-            # A future hello: only its envelope is ours to read.
+            # Another version's hello: only its envelope is ours to read.
             writer.write(pack_envelope(HandshakeType.CLIENT_HELLO, b"\x00" * 80, version=future))
             answer = await reader.readexactly(ENVELOPE.size)
             assert await reader.read() == b""  # then the listener hung up

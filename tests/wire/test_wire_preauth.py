@@ -23,14 +23,33 @@ from mlxppd.core.log_text import quoted
 from mlxppd.wire.codec import MESSAGE_HEADER, MessageAssembler, MessageKind
 from mlxppd.wire.dtypes import dtype_by_name
 from mlxppd.wire.errors import HandshakeError, HandshakeFailure, PreauthRefusal
-from mlxppd.wire.handshake import HandshakeType, Hello, decode_hello, encode_hello
+from mlxppd.wire.handshake import (
+    HandshakeType,
+    Hello,
+    decode_hello,
+    encode_hello,
+    pack_envelope,
+    prologue,
+)
 from mlxppd.wire.limits import FrameLimits
+from mlxppd.wire.node_key import NodeKey
+from mlxppd.wire.noise import NoiseHandshake
 from mlxppd.wire.preauth import source_of
+from mlxppd.wire.roster_book import RosterBook
 from mlxppd.wire.streams import CHUNK_BYTES, HANDSHAKE_BUFFER_BYTES
 from mlxppd.wire.transport import WireConfig
 from mlxppd.wire.version import PROTOCOL_VERSION
+from tests.support.node_keys import node_key_for
 from tests.support.paths import REPO_ROOT
-from tests.support.wire import SECRET, assert_serving, backend_transport, eventually, run, serve
+from tests.support.wire import (
+    ROSTER,
+    SECRET,
+    assert_serving,
+    backend_transport,
+    eventually,
+    run,
+    serve,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -138,7 +157,7 @@ def test_sources_are_addresses_and_ipv6_sources_their_64_prefix() -> None:
 
 
 def test_the_defaults_are_the_documented_caps() -> None:
-    defaults = WireConfig("c", "n", SECRET)
+    defaults = wire_config("c", "n")
     assert (defaults.max_handshakes, defaults.max_handshakes_per_source) == (64, 8)
     assert defaults.handshake_timeout_s == 10.0
     assert HANDSHAKE_BUFFER_BYTES == 4096
@@ -148,6 +167,11 @@ def test_the_defaults_are_the_documented_caps() -> None:
 
 
 PROTOCOL_DOC = (REPO_ROOT / "docs" / "protocol.md").read_text()
+
+
+def wire_config(cluster_name: str, node_id: str) -> WireConfig:
+    """A config with nothing but what is required, so the defaults show."""
+    return WireConfig(cluster_name, node_id, SECRET, node_key_for("n"), RosterBook(ROSTER))
 
 
 # -- the timeout ---------------------------------------------------------------------------------
@@ -237,8 +261,7 @@ def test_a_large_record_commits_memory_only_for_the_bytes_that_arrive() -> None:
 
 
 def _hello_body(cluster: str, node: str) -> bytes:
-    envelope = encode_hello(HandshakeType.CLIENT_HELLO, Hello(os.urandom(32), 0, cluster, node))
-    return envelope[10:]
+    return encode_hello(Hello(0, cluster, node))
 
 
 def test_a_cluster_name_outside_the_node_id_characters_is_a_bad_hello() -> None:
@@ -252,9 +275,9 @@ def test_a_cluster_name_outside_the_node_id_characters_is_a_bad_hello() -> None:
 
 def test_a_wire_config_refuses_names_no_peer_would_accept() -> None:
     with pytest.raises(ConfigurationError, match="cluster name 'two words'"):
-        WireConfig("two words", "node", SECRET)
+        wire_config("two words", "node")
     with pytest.raises(ConfigurationError, match="node id"):
-        WireConfig("c", "node\n", SECRET)
+        wire_config("c", "node\n")
 
 
 def test_a_hello_with_a_newline_in_its_cluster_name_is_refused_and_logged_escaped(
@@ -267,11 +290,15 @@ def test_a_hello_with_a_newline_in_its_cluster_name_is_refused_and_logged_escape
         async with await serve(transport) as listener:
             conn = await Silent.open(listener.address)
             assert conn.writer is not None
-            conn.writer.write(
-                encode_hello(
-                    HandshakeType.CLIENT_HELLO, Hello(os.urandom(32), 0, forged, "intruder")
-                )
+            # A genuine Noise message 1 (anyone can make one) carrying the forged hello.
+            noise = NoiseHandshake(
+                initiator=True,
+                static=NodeKey.generate(),
+                psk=os.urandom(32),
+                prologue=prologue(),
             )
+            hello = noise.write_message_1(encode_hello(Hello(0, forged, "intruder")))
+            conn.writer.write(pack_envelope(HandshakeType.CLIENT_HELLO, hello))
             await until_closed([conn])
             await eventually(lambda: transport.stats.handshake_failures["bad_hello"] == 1)
             await conn.close()

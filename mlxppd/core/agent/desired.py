@@ -116,7 +116,13 @@ def desired_state(
             cors_origins=host.cors_origins,
             tls=host_tls_files(host, allow_loose=allow_loose),
         )
-        return DesiredState(node.id, generation, cluster.cluster.elastic, coordinator=coordinator)
+        return DesiredState(
+            node.id,
+            generation,
+            cluster.cluster.elastic,
+            coordinator=coordinator,
+            roster=cluster.node_roster,
+        )
     index = STANDBY_INDEX
     layers: LayerRange | None = None  # a standby's come from the coordinator, not the files
     if node.role is not NodeRole.STANDBY:
@@ -135,7 +141,9 @@ def desired_state(
         max_sequences=host.max_sequences,
         **tensor_fields(cluster, node),
     )
-    return DesiredState(node.id, generation, cluster.cluster.elastic, stage=stage)
+    return DesiredState(
+        node.id, generation, cluster.cluster.elastic, stage=stage, roster=cluster.node_roster
+    )
 
 
 def tensor_fields(cluster: ClusterConfig, node: Node) -> dict[str, Any]:
@@ -172,4 +180,6 @@ def _awaiting_model(
         transport=cluster.cluster.transport_backend,
         awaiting_model=True,
     )
-    return DesiredState(node.id, generation, cluster.cluster.elastic, stage=stage)
+    return DesiredState(
+        node.id, generation, cluster.cluster.elastic, stage=stage, roster=cluster.node_roster
+    )

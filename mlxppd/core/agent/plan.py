@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mlxppd.core.config.cluster import ElasticPolicy
+from mlxppd.core.config.roster import Roster
 from mlxppd.core.config.tls import TlsFiles
 from mlxppd.core.cpu_weights import CpuWeights
 from mlxppd.core.kv_admission import DEFAULT_STAGE_SEQUENCES
@@ -34,6 +35,7 @@ __all__ = [
     "StopStage",
     "UpdateKvBudget",
     "UpdatePolicy",
+    "UpdateRoster",
     "plan",
 ]
 
@@ -161,6 +163,8 @@ class DesiredState:
     policy: ElasticPolicy
     stage: StageTarget | None = None
     coordinator: CoordinatorTarget | None = None
+    roster: Roster = Roster()
+    """the node keys the cluster TOML lists (``[roster]``)"""
 
 
 @dataclass(frozen=True)
@@ -175,6 +179,9 @@ class ObservedState:
     """False once the coordinator lost a stage: it must reconnect"""
     ring_lost: bool = False
     """this tensor-parallel stage lost a rank: its ranks must start again together"""
+    roster: Roster | None = None
+    """the roster this node's transports believe (None: none yet); last, so the fields
+    before it keep their positions"""
 
 
 # -- actions -------------------------------------------------------------------------------------
@@ -240,6 +247,13 @@ class UpdatePolicy:
 
 
 @dataclass(frozen=True)
+class UpdateRoster:
+    """Believe these node keys from now on: a removed node's open links close."""
+
+    roster: Roster
+
+
+@dataclass(frozen=True)
 class SetGeneration:
     """Last: the config generation now in force."""
 
@@ -257,6 +271,7 @@ Action = (
     | RestartCoordinator
     | ReplanCoordinator
     | UpdatePolicy
+    | UpdateRoster
     | SetGeneration
 )
 
@@ -317,8 +332,8 @@ def _coordinator_actions(
 
 def plan(desired: DesiredState, observed: ObservedState) -> tuple[Action, ...]:
     """The actions that take ``observed`` to ``desired``, in order: stops first (free the
-    ports and memory), then the stage, then the coordinator, then the policy, then the
-    generation (only once everything it describes is in force)."""
+    ports and memory), then the roster, then the stage, then the coordinator, then the
+    policy, then the generation (only once everything it describes is in force)."""
     stage = _stage_actions(desired.stage, observed.stage)
     if observed.ring_lost and observed.stage is not None and desired.stage is not None:
         stage = [
@@ -330,7 +345,10 @@ def plan(desired: DesiredState, observed: ObservedState) -> tuple[Action, ...]:
     )
     stops = [a for a in stage + coordinator if isinstance(a, StopStage | StopCoordinator)]
     rest = [a for a in stage + coordinator if a not in stops]
-    actions: list[Action] = [*stops, *rest]
+    actions: list[Action] = [*stops]
+    if desired.roster != observed.roster:
+        actions.append(UpdateRoster(desired.roster))  # before starts: they use the new one
+    actions += rest
     if desired.policy != observed.policy:
         actions.append(UpdatePolicy(desired.policy))
     if desired.generation != observed.generation:

@@ -36,6 +36,7 @@ from mlxppd.core.config.ports import (
     TransportPortRangeField,
     fill_node_ports,
 )
+from mlxppd.core.config.roster import Roster, parse_public_key
 from mlxppd.core.cpu_weights import CpuWeights, CpuWeightsField
 from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.layer_ranges import LayerRange, check_layer_ranges, even_split, parse_layer_range
@@ -165,6 +166,21 @@ class ClusterSection(_Strict):
         None,
         min_length=1,
         description="Path of the cluster secret file; the last place the secret is looked up.",
+    )
+    rekey_after_records: int = Field(
+        1 << 24,
+        ge=1,
+        le=1 << 40,
+        strict=True,
+        description="Records one direction of a stage link seals with one key before "
+        "replacing it (forward secrecy within a long-lived link).",
+    )
+    rekey_after_s: float = Field(
+        120.0,
+        gt=0,
+        le=86400,
+        allow_inf_nan=False,
+        description="Seconds a stage link uses one key at most before replacing it.",
     )
     elastic: ElasticPolicy = Field(
         default_factory=ElasticPolicy, description="Elastic repartitioning policy."
@@ -353,6 +369,44 @@ class ClusterConfig(_Strict):
         description="LoRA adapters served beside the base model, each chosen by a request's "
         "model (mlxppctl adapter load|unload changes the set while serving).",
     )
+    roster: dict[str, str] = Field(
+        default_factory=dict,
+        max_length=1024,
+        description='Node id = "public key" (base64, from `mlxppctl node-key new`): the key '
+        "each node proves in its handshake; a node not listed is refused.",
+    )
+    operators: dict[str, str] = Field(
+        default_factory=dict,
+        max_length=256,
+        description='Operator name = "Ed25519 public key" (base64, from `mlxppctl operator-key '
+        "new`): the keys admin requests may be signed with; when set, the cluster secret "
+        "signs none.",
+    )
+
+    @field_validator("roster", "operators")
+    @classmethod
+    def _check_keys(cls, value: dict[str, str]) -> dict[str, str]:
+        seen: dict[bytes, str] = {}
+        for name, text in value.items():
+            problem = name_problem(name, "the name")
+            if problem is not None:
+                raise KeyedValueError((name,), problem)
+            try:
+                raw = parse_public_key(text)
+            except ValueError as exc:
+                raise KeyedValueError((name,), str(exc)) from None
+            if raw in seen:
+                raise KeyedValueError(
+                    (name,),
+                    f"the same public key as {seen[raw]}; each needs a key of its own",
+                )
+            seen[raw] = name
+        return value
+
+    @property
+    def node_roster(self) -> Roster:
+        """``[roster]`` as a value the handshake checks keys against."""
+        return Roster.from_table(self.roster)
 
     @model_validator(mode="before")
     @classmethod

@@ -108,6 +108,12 @@ class HostSettings(BaseSettings):
         description="Cluster secret file for this host; overrides [cluster] secret_file "
         "(relative paths are relative to the config directory).",
     )
+    node_key_file: str | None = Field(
+        None,
+        min_length=1,
+        description="This node's private key file (`mlxppctl node-key new`; mode 600); unset "
+        "means node.key in the config directory (relative paths are relative to it).",
+    )
     http_host: str = Field(
         "127.0.0.1",
         min_length=1,

@@ -102,6 +102,9 @@ def render_cluster_toml(cfg: ClusterConfig) -> str:
         lines.append(f"cpu_weights = {_toml_value(str(c.cpu_weights))}")
     if c.adapter is not None:
         lines.append(f"adapter = {_toml_value(c.adapter)}")
+    for key in ("rekey_after_records", "rekey_after_s"):
+        if key in c.model_fields_set:
+            lines.append(f"{key} = {_toml_value(getattr(c, key))}")
     lines += ["", "[cluster.elastic]"]
     for key in _ELASTIC_KEYS:
         lines.append(f"{key} = {_toml_value(getattr(c.elastic, key))}")
@@ -113,4 +116,8 @@ def render_cluster_toml(cfg: ClusterConfig) -> str:
     for entry in cfg.adapters:
         lines += ["", "[[adapters]]", f"name = {_toml_value(entry.name)}"]
         lines.append(f"path = {_toml_value(entry.path)}")
+    for table, keys in (("roster", cfg.roster), ("operators", cfg.operators)):
+        if keys:
+            lines += ["", f"[{table}]"]
+            lines += [f"{_toml_value(name)} = {_toml_value(keys[name])}" for name in sorted(keys)]
     return "\n".join(lines) + "\n"

@@ -423,6 +423,9 @@ class WireCounters(StrictModel):
     verdicts_sent: Counters = Field(default_factory=dict)
     channels_established: Count = 0
     preauth_refused: Counters = Field(default_factory=dict)
+    rekeys_sent: Count = 0
+    rekeys_received: Count = 0
+    revoked_channels: Count = 0
 
 
 class ReloadReport(StrictModel):

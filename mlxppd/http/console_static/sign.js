@@ -1,9 +1,12 @@
-// Signing admin requests in the browser, exactly as mlxppctl does (mlxppd/wire/admin_auth.py):
-// Authorization: MLXPP-HMAC ts=<unix s>,nonce=<32 hex>,mac=<64 hex>, the MAC an HMAC-SHA256
-// with the admin key over method, path, ts, nonce, the body's SHA-256, the cluster's name and
-// the Host header, one a line. WebCrypto computes it where the page is a secure context
-// (https, or localhost); elsewhere (plain http on a LAN address, where browsers withhold
-// crypto.subtle) the small SHA-256 below does, with the same result.
+// Signing admin requests in the browser, exactly as mlxppctl does (mlxppd/wire/admin_auth.py).
+// The canonical request is method, path, ts, nonce, the body's SHA-256, the cluster's name and
+// the Host header, one a line. With an operator key (its file's line, NAME:BASE64):
+// Authorization: MLXPP-ED25519 name=<name>,ts=<unix s>,nonce=<32 hex>,sig=<base64>, an Ed25519
+// signature of "MLXPP-ED25519\n<name>\n" and the canonical request, made by WebCrypto, which
+// browsers offer only to a secure context (https, or localhost). With the legacy admin key
+// (64 hex digits): Authorization: MLXPP-HMAC ts=..,nonce=..,mac=<64 hex>, an HMAC-SHA256 of the
+// canonical request, by WebCrypto where there is one, else by the small SHA-256 below (plain
+// http on a LAN address), with the same result.
 "use strict";
 
 const MlxppSign = (() => {
@@ -78,10 +81,52 @@ const MlxppSign = (() => {
     const clean = text.trim().toLowerCase();
     if (!/^[0-9a-f]{64}$/.test(clean)) {
       throw new Error(
-        "the admin key is 64 hex digits: print it with `mlxppctl secret admin-key SECRET_FILE`"
+        "the admin key is your operator key file's line (NAME:BASE64, from `mlxppctl " +
+          "operator-key new`) or, on a cluster without [operators], 64 hex digits from " +
+          "`mlxppctl secret admin-key SECRET_FILE`"
       );
     }
     return Uint8Array.from(clean.match(/../g), (pair) => parseInt(pair, 16));
+  }
+
+  // An operator key file's one line: the operator's name, then 32 private bytes in base64.
+  const OPERATOR_LINE = /^([A-Za-z0-9._-]{1,255}):([A-Za-z0-9+/]{43}=)$/;
+  // PKCS #8 of an Ed25519 private key is this fixed DER prefix and the 32 bytes (RFC 8410).
+  const PKCS8_PREFIX = [
+    0x30, 0x2e, 0x02, 0x01, 0x00, 0x30, 0x05, 0x06, 0x03, 0x2b, 0x65, 0x70, 0x04, 0x22, 0x04, 0x20,
+  ];
+
+  function operatorKey(text) {
+    const match = OPERATOR_LINE.exec(text.trim());
+    if (!match) return null;
+    const pkcs8 = new Uint8Array(PKCS8_PREFIX.length + 32);
+    pkcs8.set(PKCS8_PREFIX);
+    pkcs8.set(Uint8Array.from(atob(match[2]), (c) => c.charCodeAt(0)), PKCS8_PREFIX.length);
+    return { name: match[1], pkcs8 };
+  }
+
+  const base64 = (bytes) => btoa(String.fromCharCode(...bytes));
+
+  async function ed25519(pkcs8, message) {
+    if (!(globalThis.crypto && crypto.subtle)) {
+      throw new Error(
+        "an operator key signs with the browser's WebCrypto, which it offers only to a page on " +
+          "https or localhost: open the console over https (tls_cert_file) or through " +
+          "localhost, or use mlxppctl --operator-key"
+      );
+    }
+    let key;
+    try {
+      key = await crypto.subtle.importKey("pkcs8", pkcs8, { name: "Ed25519" }, false, ["sign"]);
+    } catch (error) {
+      throw new Error(
+        error && error.name === "NotSupportedError"
+          ? "this browser's WebCrypto has no Ed25519: use a current Chrome, Firefox or Safari, " +
+            "or mlxppctl --operator-key"
+          : "the operator key does not import: paste the whole line of the key file again"
+      );
+    }
+    return new Uint8Array(await crypto.subtle.sign({ name: "Ed25519" }, key, message));
   }
 
   async function digest(bytes) {
@@ -104,7 +149,8 @@ const MlxppSign = (() => {
   // The Authorization header for one request. `path` as sent (query included), `body` the
   // exact bytes sent, `host` the Host header the browser sends (location.host).
   async function authorization(keyText, method, path, body, cluster, host, nowSeconds) {
-    const key = keyBytes(keyText);
+    const operator = operatorKey(keyText);
+    const key = operator ? null : keyBytes(keyText);
     const nonceBytes = new Uint8Array(16);
     crypto.getRandomValues(nonceBytes);
     const nonce = hex(nonceBytes);
@@ -112,9 +158,14 @@ const MlxppSign = (() => {
     const canonical = [
       method.toUpperCase(), path, ts, nonce, hex(await digest(body)), cluster, host.toLowerCase(),
     ].join("\n");
+    if (operator) {
+      const signed = `MLXPP-ED25519\n${operator.name}\n${canonical}`;
+      const sig = base64(await ed25519(operator.pkcs8, new TextEncoder().encode(signed)));
+      return `MLXPP-ED25519 name=${operator.name},ts=${ts},nonce=${nonce},sig=${sig}`;
+    }
     const signature = hex(await mac(key, new TextEncoder().encode(canonical)));
     return `MLXPP-HMAC ts=${ts},nonce=${nonce},mac=${signature}`;
   }
 
-  return { authorization, sha256, hmacSha256, hex, keyBytes };
+  return { authorization, sha256, hmacSha256, hex, keyBytes, operatorKey };
 })();

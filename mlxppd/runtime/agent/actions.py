@@ -32,6 +32,7 @@ from mlxppd.core.agent.plan import (
     StopStage,
     UpdateKvBudget,
     UpdatePolicy,
+    UpdateRoster,
 )
 from mlxppd.core.config.cluster import ClusterConfig, ElasticPolicy
 from mlxppd.core.config.host import HostSettings
@@ -68,6 +69,8 @@ from mlxppd.runtime.stage.tp_stage import TensorPlace
 from mlxppd.runtime.stage.worker import StageWorker
 from mlxppd.runtime.system.mlx_thread import MlxThread
 from mlxppd.wire.backends import create_transport, wire_config_for
+from mlxppd.wire.node_key import NodeKey
+from mlxppd.wire.roster_book import RosterBook
 from mlxppd.wire.secret import ClusterSecret
 from mlxppd.wire.tasks import spawn, stop_tasks
 
@@ -86,6 +89,8 @@ class AgentContext:
     model_config: ModelConfig
     """config.json ({} while this host holds no copy)"""
     place: ModelPlace
+    node_key: NodeKey
+    """this node's own key (``[roster]`` lists its public half)"""
 
 
 def _call_in(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> None:
@@ -142,6 +147,8 @@ class NodeRuntime:
         self.partition_warnings: tuple[str, ...] = ()
         self._driver_stop = asyncio.Event()
         self._pressure: asyncio.Task[None] | None = None
+        #: the node keys every transport of this node believes (UpdateRoster replaces them)
+        self.roster: RosterBook | None = None
 
     def held_spec(self) -> StageSpec | None:
         """The layers the stage worker holds now: the TOML's, or for a standby the ones the
@@ -159,6 +166,7 @@ class NodeRuntime:
         return ObservedState(
             generation=self.generation,
             policy=self.policy,
+            roster=self.roster.current if self.roster is not None else None,
             stage=stage,
             ring_lost=self.worker is not None and self.worker.ring_lost.is_set(),
             coordinator=self.coordinator,
@@ -200,6 +208,11 @@ class NodeRuntime:
             self.policy = action.policy
             if self.driver is not None:
                 self.driver.update_policy(action.policy)
+        elif isinstance(action, UpdateRoster):
+            if self.roster is None:
+                self.roster = RosterBook(action.roster)
+            else:
+                self.roster.update(action.roster)  # a removed node's links close now
         elif isinstance(action, SetGeneration):
             self.generation = action.generation
 
@@ -223,6 +236,8 @@ class NodeRuntime:
             cluster=ctx.cluster,
             node_id=target.node_id,
             secret=ctx.secret,
+            node_key=ctx.node_key,
+            roster=self.roster,
             model_dir=Path(target.model_files) if target.model_files else ctx.model_dir,
             model_config=ctx.model_config,
             spec=_spec(target),
@@ -314,7 +329,8 @@ class NodeRuntime:
     async def _rebind_stage(self, target: StageTarget, ctx: AgentContext) -> None:
         assert self.worker is not None and self.stage is not None
         transport = create_transport(
-            target.transport, wire_config_for(ctx.cluster, target.node_id, ctx.secret)
+            target.transport,
+            wire_config_for(ctx.cluster, target.node_id, ctx.secret, ctx.node_key, self.roster),
         )
         await self.worker.rebind(transport, target.host, target.port)
         self.stage = replace(
@@ -355,6 +371,8 @@ class NodeRuntime:
             cluster=ctx.cluster,
             node_id=target.node_id,
             secret=ctx.secret,
+            node_key=ctx.node_key,
+            roster=self.roster,
             transport=target.transport,
             plan=target.layers,
             micro_batch_size=target.micro_batch_size,
@@ -403,7 +421,8 @@ class NodeRuntime:
             if nodes is None or node.id in nodes
         ]
         transport = create_transport(
-            target.transport, wire_config_for(ctx.cluster, target.node_id, ctx.secret)
+            target.transport,
+            wire_config_for(ctx.cluster, target.node_id, ctx.secret, ctx.node_key, self.roster),
         )
         job = PrepareJob(
             targets, ctx.model_dir, dict(ctx.model_config), transport,
@@ -507,4 +526,6 @@ def _describe(action: Action) -> str:
     if isinstance(target, CoordinatorTarget):
         ranges = ",".join(f"{r.start}-{r.last}" for r in target.layers)
         return f"{name} layers {ranges} http {target.http_host}:{target.http_port}"
+    if isinstance(action, UpdateRoster):
+        return f"{name} {len(action.roster)} node keys: {', '.join(action.roster.node_ids())}"
     return f"{name} {getattr(action, 'reason', '') or getattr(action, 'generation', '')}".strip()

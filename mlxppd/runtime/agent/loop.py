@@ -38,6 +38,7 @@ from mlxppd.runtime.observability.metrics import PipelineMetrics
 from mlxppd.runtime.system.mlx_thread import MlxThread
 from mlxppd.runtime.system.sd_notify import SdNotifier, watchdog_loop
 from mlxppd.runtime.system.service_logging import configure_logging
+from mlxppd.wire.node_key import check_own_key, load_node_key
 from mlxppd.wire.secret import load_cluster_secret
 from mlxppd.wire.tasks import race, spawn, stop_tasks
 
@@ -87,6 +88,14 @@ def load_configuration(
         config_dir=config_dir,
     )
     node = match_node(cluster, host.node_id, is_local)
+    node_key = load_node_key(
+        node.id,
+        flag_path=overrides.get("node_key_file"),
+        environ=environ,
+        config_value=host.node_key_file,
+        config_dir=config_dir,
+    )
+    check_own_key(cluster.node_roster, node.id, node_key, source=str(path))
     # A configured state_dir holds the model cache, unless MLXPP_MODEL_CACHE says otherwise.
     cache = default_cache_dir()
     if "state_dir" in host.model_fields_set and not environ.get("MLXPP_MODEL_CACHE"):
@@ -102,7 +111,9 @@ def load_configuration(
     )
     desired = _with_model_files(desired, place)
     source = place.source or place.configured or place.root
-    context = AgentContext(cluster, host, secret, source, place.config or {}, place)
+    context = AgentContext(
+        cluster, host, secret, source, place.config or {}, place, node_key=node_key
+    )
     return desired, context
 
 

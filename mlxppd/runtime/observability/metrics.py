@@ -260,9 +260,19 @@ class _StageCollector(Collector):
             refusals.update(w.preauth_refused)
         for reason, n in sorted(refusals.items()):
             preauth.add_metric([reason], n)
+        rekeys = CounterMetricFamily(
+            "mlxpp_transport_rekeys",
+            "Channel keys replaced on the sending side (REKEY records sent), all nodes",
+        )
+        rekeys.add_metric([], sum(w.rekeys_sent for w in wire))
+        revoked = CounterMetricFamily(
+            "mlxpp_transport_revoked_channels",
+            "Open channels closed because their peer's key left the roster, all nodes",
+        )
+        revoked.add_metric([], sum(w.revoked_channels for w in wire))
         fallbacks = CounterMetricFamily("mlxpp_rdma_fallbacks", "RDMA transport fallbacks to TCP")
         fallbacks.add_metric([], self.m._rdma_fallbacks())
-        yield from (handshakes, rejected, preauth, fallbacks)
+        yield from (handshakes, rejected, preauth, rekeys, revoked, fallbacks)
 
 
 def _slots(stages: list[StageView]) -> Iterator[Metric]:

@@ -25,6 +25,7 @@ from mlxppd import __version__
 from mlxppd.core.config.addresses import split_host_port
 from mlxppd.core.config.cluster import ClusterConfig, parse_address, parse_cluster_config
 from mlxppd.core.config.render import render_cluster_toml
+from mlxppd.core.config.roster import Roster
 from mlxppd.core.errors import ConfigurationError, PeerRefusedError, TemporaryError
 from mlxppd.core.partition.launch import cluster_partition_plan, launch_warnings
 from mlxppd.core.profile.model import profile_from_config, read_model_config
@@ -66,6 +67,8 @@ from mlxppd.wire.discovery import (
     send_beacons,
 )
 from mlxppd.wire.errors import ChannelClosedError, FrameError, VersionMismatchError
+from mlxppd.wire.node_key import NodeKey, save_node_key
+from mlxppd.wire.roster_book import RosterBook
 from mlxppd.wire.secret import ClusterSecret, load_cluster_secret
 from mlxppd.wire.tasks import spawn, stop_tasks
 from mlxppd.wire.tcp import TcpTransport
@@ -104,6 +107,35 @@ def _secret(options: NodeOptions) -> ClusterSecret:
     return load_cluster_secret(flag_path=options.secret_file)
 
 
+def _bringup_wire(z: ZeroConfig, node_id: str, peer_id: str, secret: ClusterSecret) -> WireConfig:
+    """The bring-up's wire: a fresh node key, and (no roster exists yet) whatever key the
+    other side proves, the cluster secret being the one factor; the TOML it ends with lists
+    every key seen, so the cluster then serves with node keys like any other."""
+    key = NodeKey.generate(f"this {node_id}'s zero-config key")
+    return WireConfig(z.cluster_name, node_id, secret, key, RosterBook(Roster.trusting(peer_id)))
+
+
+def key_file_beside(cluster_file: Path) -> Path:
+    """Where a zero-config node keeps its node key: next to the TOML it serves from."""
+    return cluster_file.with_name(cluster_file.stem + ".node.key")
+
+
+def _save_key_beside(key: NodeKey, cluster_file: Path) -> Path:
+    """Write ``key`` beside the TOML about to be written (its folder made first, as the TOML's
+    is): written before the TOML, so a TOML there always has its key."""
+    path = key_file_beside(cluster_file)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_node_key(key, path, force=True)
+    return path
+
+
+def with_roster(plan: ClusterConfig, keys: dict[str, bytes]) -> ClusterConfig:
+    """``plan`` with a ``[roster]`` of ``keys`` (validated like a hand-written one)."""
+    data = plan.model_dump(mode="json", exclude_unset=True)
+    data["roster"] = Roster.of(keys).as_table()
+    return ClusterConfig.model_validate(data)
+
+
 def host_memory_bytes() -> int | None:
     """Physical memory of this host (what a peer reports for planning); None if unknown."""
     try:
@@ -124,11 +156,14 @@ class _Peer:
     control: ControlClient
     reader: asyncio.Task[None] | None = field(default=None)
     memory_bytes: int | None = None
+    #: the node key the peer proved in the handshake (its line in the TOML's [roster])
+    key: bytes = b""
 
     @classmethod
     def start(cls, address: str, channel: SecureChannel, timeout_s: float) -> _Peer:
         control = ControlClient(channel, timeout_s)
-        return cls(address, control, spawn(control.read_replies(), name=f"peer-{address}"))
+        reader = spawn(control.read_replies(), name=f"peer-{address}")
+        return cls(address, control, reader, key=channel.peer_key)
 
     async def close(self) -> None:
         await self.control.channel.close()
@@ -236,7 +271,8 @@ async def coordinate(options: NodeOptions, z: ZeroConfig, out: Any = None) -> No
     parse_address(control)
     config_out = z.config_out or Path(".mlxpp") / "cluster.toml"
     addresses = await _resolve_peers(z, secret)
-    transport = TcpTransport(WireConfig(z.cluster_name, COORDINATOR_ID, secret))
+    wire = _bringup_wire(z, COORDINATOR_ID, PEER_ID, secret)
+    transport = TcpTransport(wire)
     deadline = time.monotonic() + (3.0 if z.dry_run else z.discovery_timeout_s)
     peers: list[_Peer] = []
     infos: list[PeerInfo] = []
@@ -259,11 +295,20 @@ async def coordinate(options: NodeOptions, z: ZeroConfig, out: Any = None) -> No
         )  # fmt: skip
         # The peers get the adapters in the TOML they are assigned (same paths on every host).
         plan = with_adapter_flags(plan, options.adapters)
+        keys = {p.address: p.key for p in peers}
+        plan = with_roster(
+            plan,
+            {COORDINATOR_ID: wire.node_key.public}
+            | {node.id: keys[node.address] for node in plan.stage_nodes()},
+        )
         text = render_cluster_toml(plan)
         await _assign(plan, text, peers, identity)
+        key_file = _save_key_beside(wire.node_key, config_out)
         _write(config_out, text)
         print(topology_summary(plan, str(config_out.resolve())), file=out, flush=True)
-        return replace(options, cluster_file=config_out, node_id=COORDINATOR_ID)
+        return replace(
+            options, cluster_file=config_out, node_id=COORDINATOR_ID, node_key_file=str(key_file)
+        )
     finally:
         for peer in peers:
             await peer.close()
@@ -392,10 +437,16 @@ class PeerServer:
     """Waits for an assignment; ``activated`` carries (cluster file, node id) once it came."""
 
     def __init__(
-        self, options: NodeOptions, z: ZeroConfig, identity: ModelIdentity, address: str
+        self,
+        options: NodeOptions,
+        z: ZeroConfig,
+        identity: ModelIdentity,
+        address: str,
+        node_key: NodeKey,
     ) -> None:
         self.options, self.z, self.identity = options, z, identity
         self.address = address
+        self.node_key = node_key
         self.activated: asyncio.Future[tuple[Path, str]] = (
             asyncio.get_running_loop().create_future()
         )
@@ -445,6 +496,7 @@ class PeerServer:
             return _refused(rid, "not committed")
         offer = self._pending.offer
         path = self.z.config_out or Path(".mlxpp") / f"cluster-{offer.node_id}.toml"
+        _save_key_beside(self.node_key, path)
         _write(path, offer.topology)
         if not self.activated.done():
             self.activated.set_result((path, offer.node_id))
@@ -464,6 +516,10 @@ class PeerServer:
                     raise ConfigurationError(f"node {offer.node_id} is not stage {offer.stage}")
                 if node.port != parse_address(self.address)[1]:
                     raise ConfigurationError(f"{node.address} is not this peer ({self.address})")
+                if cluster.node_roster.key_of(offer.node_id) != self.node_key.public:
+                    raise ConfigurationError(
+                        f"the offered [roster] does not list this peer's key for {offer.node_id}"
+                    )
             except ConfigurationError as exc:
                 return _refused(offer.rid, str(exc))
         if refusal is not None:
@@ -497,9 +553,8 @@ async def await_assignment(options: NodeOptions, z: ZeroConfig) -> NodeOptions:
             source="--cluster-control-addr",
         )
     host, port = _bind_address(control)
-    transport = TcpTransport(
-        WireConfig(z.cluster_name, PEER_ID, secret, allowed_peers=frozenset({COORDINATOR_ID}))
-    )
+    wire = _bringup_wire(z, PEER_ID, COORDINATOR_ID, secret)
+    transport = TcpTransport(wire)
     server: PeerServer | None = None
 
     async def handle(channel: SecureChannel) -> None:
@@ -513,7 +568,7 @@ async def await_assignment(options: NodeOptions, z: ZeroConfig) -> NodeOptions:
         if z.discovery == "mdns"
         else f"{host}:{bound_port}"
     )
-    server = PeerServer(options, z, identity, address)
+    server = PeerServer(options, z, identity, address, wire.node_key)
     stop_beacons = asyncio.Event()
     beacons = None
     if z.discovery == "mdns":
@@ -537,4 +592,10 @@ async def await_assignment(options: NodeOptions, z: ZeroConfig) -> NodeOptions:
         await stop_tasks(beacons, cancel=False)
         await listener.close()
     log.info("activated as %s; the cluster TOML is at %s", node_id, path)
-    return replace(options, cluster_file=path, node_id=node_id, ready_file=None)
+    return replace(
+        options,
+        cluster_file=path,
+        node_id=node_id,
+        node_key_file=str(key_file_beside(path)),
+        ready_file=None,
+    )

@@ -27,6 +27,7 @@ from tests.support.agents import (
     start_agent,
     wait_for_status,
 )
+from tests.support.node_keys import roster_toml, write_agent_key
 from tests.support.references import greedy_answers, served_weights
 
 pytestmark = pytest.mark.slow
@@ -38,6 +39,8 @@ if _WHY is not None:
 QUESTION = "What is the capital of France?"
 SECOND = "Tell me a story about a dragon."
 HTTP_PORT = 8080
+#: the node each host is (its config directory holds that node's key, node.key)
+HOST_NODES = ("coordinator", "stage-0", "stage-1")
 #: greedy tokens per answer compared with mlx-lm's (a parity check needs no more)
 TOKENS = 8
 
@@ -110,7 +113,8 @@ def cluster_text(hosts: Hosts, secret: Path, adapter: Path, layers: str = "") ->
     nodes = node_tables(f"{a0}:19000", f"{a1}:19001", f"{a2}:19001")
     # A per-request adapter from the TOML, as the agent reads it (docs/adapters.md).
     adapters = f'\n[[adapters]]\nname = "tuned"\npath = "{adapter}"\n'
-    return CLUSTER.format(secret=secret, layers=layers) + "\n" + nodes + adapters
+    roster = roster_toml(HOST_NODES)
+    return CLUSTER.format(secret=secret, layers=layers) + "\n" + nodes + adapters + roster
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +134,7 @@ def cluster(
             config_dir = root / f"host{i}" / "etc"
             config_dir.mkdir(parents=True)
             (config_dir / "cluster.toml").write_text(text)
+            write_agent_key(config_dir, HOST_NODES[i])
             (config_dir / "mlxppd.toml").write_text(
                 f'http_host = "0.0.0.0"\nhttp_port = {HTTP_PORT}\nreconcile_interval_s = 2.0\n'
                 f'drain_timeout_s = 60.0\nstate_dir = "{root / f"host{i}"}"\n'

@@ -12,12 +12,14 @@ import pytest
 
 from mlxppd.runtime.local_cluster import free_port
 from tests.support.agents import NotifySocket, node_tables
+from tests.support.node_keys import roster_toml, write_agent_key
 
 pytestmark = pytest.mark.slow
 
 MLXPPD = str(Path(sys.executable).parent / "mlxppd")
 
 CLUSTER = '[cluster]\npipeline_parallel_size = 2\nsecret_file = "cluster.secret"\n\n'
+NODES = ("coordinator", "stage-0", "stage-1")
 
 
 @pytest.fixture
@@ -27,8 +29,9 @@ def config_dir(tmp_path: Path) -> Path:
     (etc / "cluster.secret").write_text("process-test-secret-0123456789\n")
     (etc / "cluster.secret").chmod(0o600)  # a secret readable by others is refused
     nodes = node_tables(*(f"127.0.0.1:{free_port()}" for _ in range(3)))
-    (etc / "cluster.toml").write_text(CLUSTER + nodes)
+    (etc / "cluster.toml").write_text(CLUSTER + nodes + roster_toml(NODES))
     (etc / "mlxppd.toml").write_text('node_id = "stage-1"\n')
+    write_agent_key(etc, "stage-1")
     return etc
 
 
@@ -88,6 +91,39 @@ def test_check_names_file_key_and_fix(
     assert done.stdout == ""
     assert expected in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_check_of_a_cluster_toml_without_a_roster_says_how_to_make_one(
+    config_dir: Path, cli_env: dict[str, str]
+) -> None:
+    path = config_dir / "cluster.toml"
+    path.write_text(path.read_text().split("\n[roster]\n")[0])
+    done = run_check(config_dir, cli_env)
+    assert done.returncode == 2
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "mlxppctl node-key new" in done.stderr and "[roster]" in done.stderr
+
+
+def test_check_with_another_nodes_key_names_the_roster(
+    config_dir: Path, cli_env: dict[str, str]
+) -> None:
+    write_agent_key(config_dir, "stage-0")  # stage-1's host holding stage-0's key
+    done = run_check(config_dir, cli_env)
+    assert done.returncode == 2
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "is not node stage-1's key" in done.stderr and "[roster]" in done.stderr
+
+
+def test_check_without_a_node_key_names_the_file_and_the_command(
+    config_dir: Path, cli_env: dict[str, str]
+) -> None:
+    (config_dir / "node.key").unlink()
+    env = {k: v for k, v in cli_env.items() if k != "MLXPP_NODE_KEY_FILE"}
+    done = run_check(config_dir, env)
+    assert done.returncode == 2
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert str(config_dir / "node.key") in done.stderr
+    assert "mlxppctl node-key new" in done.stderr
 
 
 def test_agent_speaks_sd_notify(config_dir: Path, cli_env: dict[str, str], tmp_path: Path) -> None:

@@ -28,6 +28,7 @@ from mlxppd.wire.backends import create_transport, wire_config_for
 from mlxppd.wire.secret import load_cluster_secret
 from mlxppd.wire.tasks import stop_tasks
 from tests.support.agents import AgentProcess, node_tables, start_local_agent
+from tests.support.node_keys import node_key_for, roster_toml, write_agent_key
 
 STANDBY_ID = "standby-0"
 CLUSTER = '[cluster]\npipeline_parallel_size = 2\nsecret_file = "cluster.secret"\n\n'
@@ -44,7 +45,9 @@ def config_dir(tmp_path: Path) -> Path:
     (etc / "cluster.secret").chmod(0o600)  # a secret readable by others is refused
     nodes = node_tables(*(f"127.0.0.1:{free_port()}" for _ in range(3)))
     standby = f'[[nodes]]\nid = "{STANDBY_ID}"\naddress = "127.0.0.1:{free_port()}"\n'
-    (etc / "cluster.toml").write_text(f'{CLUSTER}{nodes}\n{standby}role = "standby"\n')
+    roster = roster_toml(["coordinator", "stage-0", "stage-1", STANDBY_ID])
+    (etc / "cluster.toml").write_text(f'{CLUSTER}{nodes}\n{standby}role = "standby"\n{roster}')
+    write_agent_key(etc, STANDBY_ID)
     # Frequent passes, so the test sees that later ones leave the standby alone.
     (etc / "mlxppd.toml").write_text(f'node_id = "{STANDBY_ID}"\nreconcile_interval_s = 0.2\n')
     return etc
@@ -64,7 +67,8 @@ async def _status_as_coordinator(config_dir: Path, host: str, port: int) -> Stag
     """Connect as the cluster's coordinator (authenticated with the secret) and ask."""
     cluster = load_cluster_config(config_dir / "cluster.toml")
     secret = load_cluster_secret(flag_path=config_dir / "cluster.secret", environ={})
-    transport = create_transport("tcp", wire_config_for(cluster, "coordinator", secret))
+    key = node_key_for("coordinator")
+    transport = create_transport("tcp", wire_config_for(cluster, "coordinator", secret, key))
     channel = await transport.connect(host, port, expected_peer=STANDBY_ID)
     control = ControlClient(channel, timeout_s=30)
     reader = asyncio.create_task(control.read_replies())

@@ -25,6 +25,7 @@ from tests.support.agents import (
     netns_unavailable,
     start_agent,
 )
+from tests.support.node_keys import roster_toml, write_agent_key
 from tests.support.references import greedy_answers
 from tests.support.tp_serving import QUESTION
 
@@ -47,7 +48,11 @@ def cluster_text(addresses: list[str], secret: Path) -> str:
         stage, rank = divmod(i, 2)
         lines += ["", "[[nodes]]", f'id = "s{stage}-r{rank}"', f'address = "{address}:19001"']
         lines += ['role = "2d"', f"stage = {stage}", f"rank = {rank}"]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + roster_toml(HOST_NODES)
+
+
+#: the node each host is (its config directory holds that node's key)
+HOST_NODES = ("coordinator", "s0-r0", "s0-r1", "s1-r0", "s1-r1")
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +73,7 @@ def agents(
             config_dir = root / f"host{i}" / "etc"
             config_dir.mkdir(parents=True)
             (config_dir / "cluster.toml").write_text(text)
+            write_agent_key(config_dir, HOST_NODES[i])
             (config_dir / "mlxppd.toml").write_text(
                 f'model = "{chat_llama}"\nhttp_host = "0.0.0.0"\nhttp_port = {HTTP_PORT}\n'
                 f'reconcile_interval_s = 2.0\nstate_dir = "{root / f"host{i}"}"\n'

@@ -16,6 +16,7 @@ from mlxppd.runtime.node_start import CoordinatorSetup, start_pipeline_coordinat
 from mlxppd.runtime.system.mlx_thread import MlxThread
 from tests.conftest import TINY_LLAMA
 from tests.support.adapters import random_adapter
+from tests.support.node_keys import node_key_for
 from tests.support.pipelines import CLUSTER_TOML, SPLIT, stage_worker
 from tests.support.wire import CLUSTER, SECRET, run
 
@@ -46,6 +47,7 @@ def test_a_stage_lost_during_a_load_refuses_it_and_the_others_drop_it(
         cluster = parse_cluster_config(text, "test.toml")
         setup = CoordinatorSetup(
             cluster=cluster, node_id="coordinator", secret=SECRET, transport="tcp",
+            node_key=node_key_for("coordinator"),
             plan=(LayerRange(0, 3), LayerRange(3, 6)), micro_batch_size=1, parallel=4,
             warmup=False, align=False,
         )  # fmt: skip

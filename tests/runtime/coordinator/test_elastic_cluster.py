@@ -29,9 +29,13 @@ from tests.support.agents import (
     AgentProcess,
     node_tables,
     start_local_agent,
+    start_ready_agents,
     wait_for_status,
+    write_agent_dirs,
+    write_cluster_toml,
 )
 from tests.support.ctl_runner import CtlRunner
+from tests.support.node_keys import roster_toml
 from tests.support.references import greedy_answers, served_weights
 
 pytestmark = pytest.mark.slow
@@ -48,6 +52,9 @@ SHORT_N, LONG_N = 8, 24
 CLIENTS = 2
 #: the memory-pressure test's KV budget per stage: a LONG request fills ~59% of it
 KV_BUDGET = 2_431_000
+
+#: the agents' nodes, each with its config directory (holding its node.key)
+NODES = ("coordinator", "stage-0", "stage-1")
 
 CLUSTER = """\
 [cluster]
@@ -90,10 +97,8 @@ class Cluster:
         text = CLUSTER.format(
             secret=self.secret, extra=extra, drain=drain, fraction=fraction, cool_down=cool_down,
         ) + "\n" + node_tables(*(f"127.0.0.1:{p}" for p in self.ports))  # fmt: skip
-        for config_dir in self.config_dirs:
-            tmp = config_dir / "cluster.toml.tmp"
-            tmp.write_text(text)
-            os.replace(tmp, config_dir / "cluster.toml")
+        text += roster_toml(NODES)
+        write_cluster_toml(self.config_dirs, text)
         self.generation = config_generation(text.encode())
 
     def wait_applied(self, timeout: float = 120) -> dict[str, Any]:
@@ -154,24 +159,16 @@ def cluster(
     ports = [free_port() for _ in range(3)]
     http = free_port()
     env = {**os.environ, "MLXPP_MODEL_CACHE": str(model_cache), "HF_HUB_OFFLINE": "1"}
-    nodes = ("coordinator", "stage-0", "stage-1")
-    running = Cluster(root, [root / node for node in nodes], ports, http)
+    running = Cluster(root, [root / node for node in NODES], ports, http)
     running.env = env
     try:
-        for node, etc in zip(nodes, running.config_dirs, strict=True):
-            etc.mkdir()
-            (etc / "mlxppd.toml").write_text(
-                f'node_id = "{node}"\nhttp_port = {http}\nreconcile_interval_s = 1.0\n'
-            )
+        write_agent_dirs(
+            running.config_dirs,
+            NODES,
+            f'node_id = "{{node}}"\nhttp_port = {http}\nreconcile_interval_s = 1.0\n',
+        )
         running.write()
-        # Stages first; the coordinator connects to them.
-        started = {i: start_local_agent(running.config_dirs[i], env) for i in (2, 1, 0)}
-        running.agents = [started[i] for i in range(3)]
-        for agent in running.agents:
-            try:
-                agent.notify.wait_for("READY", timeout=300)
-            except AssertionError:
-                raise AssertionError(agent.log()[-4000:]) from None
+        running.agents = start_ready_agents(running.config_dirs, env)
         yield running
     finally:
         for agent in running.agents:

@@ -22,6 +22,7 @@ from mlxppd.runtime.node_start import CoordinatorSetup, start_pipeline_coordinat
 from mlxppd.runtime.system.mlx_thread import MlxThread
 from mlxppd.wire.backends import create_transport
 from mlxppd.wire.codec import MessageKind
+from tests.support.node_keys import node_key_for
 from tests.support.pipelines import CLUSTER_TOML, stage_worker
 from tests.support.stage_peer import PROMPT, Peer
 from tests.support.wire import CLUSTER, SECRET, config, run
@@ -101,6 +102,7 @@ def test_a_request_whose_stage_fails_gets_an_error_and_the_others_their_tokens(
         )
         setup = CoordinatorSetup(
             cluster=cluster, node_id="coordinator", secret=SECRET, transport="tcp",
+            node_key=node_key_for("coordinator"),
             plan=(LayerRange(0, 15), LayerRange(15, NUM_LAYERS)), micro_batch_size=1,
             parallel=8, warmup=False, align=False,
         )  # fmt: skip
