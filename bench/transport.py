@@ -74,8 +74,10 @@ from mlxppd.wire.transport import WireConfig
 
 try:  # run as a script, bench/ is on sys.path; as ``-m bench.transport``, the root is
     import transport_versions as versions
+    from transport_versions_driver import node_key_bytes
 except ImportError:
     from bench import transport_versions as versions  # type: ignore[no-redef]
+    from bench.transport_versions_driver import node_key_bytes  # type: ignore[no-redef]
 
 RAW_HEADER = struct.Struct("<II")  # payload length, mode
 LATENCY, STREAM, STREAM_LAST = 0, 1, 2
@@ -113,7 +115,7 @@ def wire_config(node: str) -> WireConfig:
     # each side derives both throwaway node keys from it, so the roster needs no exchange.
     secret = os.environ["MLXPP_CLUSTER_SECRET"]
     keys = {
-        n: NodeKey.from_private_bytes(versions.node_key_bytes(secret, n), "bench")
+        n: NodeKey.from_private_bytes(node_key_bytes(secret, n), "bench")
         for n in ("sender", "receiver")
     }
     return WireConfig(

@@ -149,7 +149,9 @@ def test_two_thousand_silent_then_garbage_connections_cost_a_stage_little(
         time.sleep(0.5)
     grew = rss.peak - baseline
     print(f"stage 1 RSS: {baseline / MIB:.1f} MiB before, peak {rss.peak / MIB:.1f} MiB")
-    assert grew < 64 * MIB, f"stage RSS grew by {grew / MIB:.1f} MiB under the flood"
+    # Measured: well under 1 MiB. The bound leaves room for the allocator's noise; eight
+    # connections holding the 1 MiB buffers of an accepted channel would already pass it.
+    assert grew < 8 * MIB, f"stage RSS grew by {grew / MIB:.1f} MiB under the flood"
     assert complete(cluster.url) == before
     assert httpx.get(f"{cluster.url}/health", timeout=10).status_code == 200
     log = cluster.log()
