@@ -3,11 +3,12 @@
     .venv/bin/python bench/prepare.py [--model DIR] [--stages 2,3]
 
 For each split of the model into k stages and each stage: the bytes that stage is sent (only
-its layers' tensors, plus the embedding or head it owns) against the whole checkpoint, and the
-time to ship them to an empty node. The node is a real stage worker holding no model in its own
-process (a real agent's, with its model cache in a temporary directory): the sender reads the
-tensors from the checkpoint, the bytes travel over the authenticated, encrypted transport, and
-the node writes, hashes every tensor against the cluster's record and installs the copy.
+its layers' tensors, plus the embedding or head it owns, and the tokenizer files) against the
+whole checkpoint, and the time to ship them to an empty node. The node is a real stage worker
+holding no model in its own process (a real agent's, with its model cache in a temporary
+directory): the sender reads the tensors from the checkpoint, the bytes travel over the
+authenticated, encrypted transport, and the node writes, hashes every tensor and file against
+the cluster's record and installs the copy.
 
 Baseline, same run, same bytes: a raw, unencrypted loopback TCP socket into a process that
 writes what it receives to a file (no hashing, no install). The ratio is what verification,
@@ -36,7 +37,12 @@ from mlxppd.core.stages import StageSpec
 from mlxppd.engine.embedded import default_cache_dir, ensure_embedded_model
 from mlxppd.engine.prepared_copy import ModelReceiver, prepared_root
 from mlxppd.engine.stage_digest import iter_chunks, stored_tensors
-from mlxppd.runtime.coordinator.model_sender import ShipProgress, manifest_for, ship_stage
+from mlxppd.runtime.coordinator.model_sender import (
+    ShipProgress,
+    files_for,
+    manifest_for,
+    ship_stage,
+)
 from mlxppd.runtime.stage.worker import StageWorker
 from mlxppd.runtime.system import event_loop
 from mlxppd.runtime.system.mlx_thread import MlxThread
@@ -125,7 +131,8 @@ def prepare_seconds(model: Path, spec: StageSpec, config: dict) -> tuple[float, 
 
         async def ship() -> None:
             sender = create_transport("tcp", wire("coordinator", SECRET))
-            result = await ship_stage(sender, node, manifest, tensors, progress)
+            files = files_for(model, manifest)
+            result = await ship_stage(sender, node, manifest, tensors, progress, files=files)
             assert result is not None and result.ok, result
 
         started = time.perf_counter()
@@ -152,8 +159,10 @@ def main() -> None:
     for k in (int(x) for x in args.stages.split(",")):
         for i, r in enumerate(even_split(layers, k)):
             spec = StageSpec(i, k, r.start, r.end)
-            _, tensors = manifest_for(model, spec, config, "bench")
+            manifest, tensors = manifest_for(model, spec, config, "bench")
             chunks = [c for t in tensors.values() for c in iter_chunks(t)]
+            # The tokenizer files travel too (a few MB): the raw socket sends them as well.
+            chunks += [(model / f.name).read_bytes() for f in manifest.files]
             raw = raw_seconds(chunks)
             took, sent = prepare_seconds(model, spec, config)
             print(

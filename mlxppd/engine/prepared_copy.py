@@ -3,19 +3,20 @@
 Layout under ``<model cache>/prepared/<model name>/``:
 
 ```
-current/            the installed copy: config.json, model.safetensors, prepared.json
-incoming/           a transfer in progress: plan.json (the tensors to receive, in order) and
-                    data.part (their bytes back to back, as received so far)
+current/            the installed copy: config.json, model.safetensors, prepared.json, and
+                    the model directory's tokenizer files (``engine/prepared_files.py``)
+incoming/           a transfer in progress: plan.json (the tensors, then the files, to
+                    receive, in order) and data.part (their bytes back to back, as received)
 ```
 
 A transfer appends to ``data.part``; an interrupted one resumes where the file ends, so no
-byte is sent twice. Commit hashes every received tensor against the cluster's record: one that
-differs is dropped (with everything after it) and nothing is installed. The copy is built in a
-sibling directory (the tensors this node already held, copied locally, plus the received ones)
-and hashed again from disk there; only a copy holding exactly the manifest's tensors is renamed
-into place, so a failure at any step leaves the installed copy as it was. A stage loads from
-``current/`` only when every tensor it needs is there and still matches ``prepared.json``
-(``stage_model_dir``).
+byte is sent twice. Commit hashes every received tensor and file against the cluster's
+record: one that differs is dropped (with everything after it) and nothing is installed. The
+copy is built in a sibling directory (the tensors and files this node already held, copied
+locally, plus the received ones) and hashed again from disk there; only a copy holding exactly
+the manifest's tensors and files is renamed into place, so a failure at any step leaves the
+installed copy as it was. A stage loads from ``current/`` only when every tensor it needs is
+there and still matches ``prepared.json`` (``stage_model_dir``).
 """
 
 from __future__ import annotations
@@ -41,11 +42,13 @@ from mlxppd.core.model_identity import (
 )
 from mlxppd.core.protocol.model_transfer import (
     MAX_CHUNK_BYTES,
+    FileRecord,
     PrepareManifest,
     PrepareResult,
     PrepareState,
 )
 from mlxppd.core.stages import StageSpec
+from mlxppd.engine.prepared_files import copy_bytes, find_local, sha256_of
 from mlxppd.engine.stage_digest import (
     StoredTensor,
     hash_range,
@@ -152,6 +155,9 @@ class ModelReceiver:
         self._manifest: PrepareManifest | None = None
         self._needed: list[TensorRecord] = []
         self._local: dict[str, StoredTensor] = {}
+        #: the manifest's files to receive (after the tensors), and those held here
+        self._needed_files: list[FileRecord] = []
+        self._local_files: dict[str, Path] = {}
         self._total = 0
         #: bytes received by this process (progress), and bytes found from an earlier try
         self.received = 0
@@ -186,25 +192,45 @@ class ModelReceiver:
                 if name not in best or stored.record == expected[name]:
                     best[name] = stored
         found: Triage = triage(manifest.records, {n: s.record for n, s in best.items()})
+        overall = found.state
+        self._local_files, self._needed_files = {}, []
+        for record in manifest.files:
+            found_file, path = find_local(record, (self.root / "current", self.configured))
+            if path is not None:
+                self._local_files[record.name] = path
+                continue
+            self._needed_files.append(record)
+            if overall != "mismatch":
+                overall = found_file
         self._manifest = manifest
         self._local = {n: best[n] for n in found.present}
         self._needed = [expected[n] for n in found.needed]
-        self._total = sum(r.nbytes for r in self._needed)
+        self._total = sum(r.nbytes for r in self._needed) + sum(
+            f.nbytes for f in self._needed_files
+        )
         self.received = 0
         self.resumed = self._resume_point()
         state = PrepareState(
-            state=found.state,
+            state=overall,
             present=len(found.present),
             missing=len(found.missing),
             mismatched=len(found.mismatched),
             needed_bytes=self._total,
             have_bytes=self.resumed,
+            files=[f.name for f in self._needed_files],
         )
         return state, [r.name for r in self._needed]
 
+    @property
+    def _streaming(self) -> bool:
+        return bool(self._needed or self._needed_files)
+
     def _resume_point(self) -> int:
         """Bytes of this same plan already in data.part; a different plan starts over."""
-        plan = [r.model_dump() for r in self._needed]
+        plan = {
+            "tensors": [r.model_dump() for r in self._needed],
+            "files": [f.model_dump() for f in self._needed_files],
+        }
         plan_file = self.incoming / "plan.json"
         try:
             same = json.loads(plan_file.read_text()) == plan
@@ -216,7 +242,7 @@ class ModelReceiver:
                 f.truncate(have)
             return have
         shutil.rmtree(self.incoming, ignore_errors=True)
-        if not self._needed:
+        if not self._streaming:
             return 0
         self.incoming.mkdir(parents=True, exist_ok=True)
         _write_atomic(plan_file, json.dumps(plan).encode())
@@ -245,8 +271,8 @@ class ModelReceiver:
         if manifest is None:
             raise ValueError("commit before a prepare check")
         try:
-            offsets = self._verify_received()
-            copy, records = self._install(manifest, offsets)
+            offsets, file_offsets = self._verify_received()
+            copy, records = self._install(manifest, offsets, file_offsets)
         except (TransferError, ConfigurationError) as exc:
             log.error("prepare: %s", exc)
             return PrepareResult(ok=False, error=str(exc)[:600])
@@ -254,19 +280,22 @@ class ModelReceiver:
         self._manifest = None
         identity = identity_of(records, manifest.config, manifest.layers)
         log.info(
-            "prepare: installed %d tensors (%d received, %.1f MB) at %s; sha256 %s",
-            identity.tensors, len(offsets), self._total / 1e6, copy, identity.short(),
+            "prepare: installed %d tensors and %d files (%d and %d received, %.1f MB) at %s; "
+            "sha256 %s", identity.tensors, len(manifest.files), len(offsets), len(file_offsets),
+            self._total / 1e6, copy, identity.short(),
         )  # fmt: skip
         if self.on_installed is not None:
             self.on_installed(identity)
         return PrepareResult(ok=True, identity=identity, verified_bytes=identity.nbytes)
 
-    def _verify_received(self) -> dict[str, int]:
-        """Each received tensor's offset in data.part, after checking its SHA-256."""
-        size = self.part.stat().st_size if self._needed else 0
+    def _verify_received(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Each received tensor's and each received file's offset in data.part, after checking
+        its SHA-256 (apart: a tensor and a file may share a name)."""
+        size = self.part.stat().st_size if self._streaming else 0
         if size != self._total:
             raise TransferError(f"{size} of {self._total} bytes arrived; run prepare again")
         offsets: dict[str, int] = {}
+        file_offsets: dict[str, int] = {}
         at = 0
         for record in self._needed:
             got = hash_range(self.part, at, record.nbytes).hexdigest()
@@ -279,10 +308,21 @@ class ModelReceiver:
                 )
             offsets[record.name] = at
             at += record.nbytes
-        return offsets
+        for file in self._needed_files:
+            got = sha256_of(self.part, at, file.nbytes)
+            if got != file.sha256:
+                with self.part.open("r+b") as f:
+                    f.truncate(at)
+                raise TransferError(
+                    f"file {escape(file.name)} arrived with sha256 {got[:16]}, the cluster's "
+                    f"record says {file.sha256[:16]}; it was discarded and nothing was installed"
+                )
+            file_offsets[file.name] = at
+            at += file.nbytes
+        return offsets, file_offsets
 
     def _install(
-        self, manifest: PrepareManifest, received: dict[str, int]
+        self, manifest: PrepareManifest, received: dict[str, int], files: dict[str, int]
     ) -> tuple[Path, list[TensorRecord]]:
         """Build the copy beside ``current/``, check it from disk, then swap it in; on any
         failure before the swap the building directory goes and ``current/`` is untouched."""
@@ -291,6 +331,7 @@ class ModelReceiver:
         building.mkdir(parents=True)
         try:
             records = self._build(building, manifest, received)
+            self._build_files(building, manifest, files)
         except BaseException:
             shutil.rmtree(building, ignore_errors=True)
             raise
@@ -317,6 +358,7 @@ class ModelReceiver:
             "stage": manifest.stage,
             "num_stages": manifest.num_stages,
             "records": [r.model_dump() for r in manifest.records],
+            "files": [f.model_dump() for f in manifest.files],  # what was installed beside
         }
         _write_atomic(building / "prepared.json", json.dumps(description).encode())
         # What a stage would read: exactly the manifest's tensors, each as verified.
@@ -336,6 +378,26 @@ class ModelReceiver:
                 "unchanged"
             )
         return [s.record for s in on_disk.values()]
+
+    def _build_files(
+        self, building: Path, manifest: PrepareManifest, received: dict[str, int]
+    ) -> None:
+        """The manifest's files beside config.json, each read back against its record (the
+        names passed ``MODEL_FILES`` at the edge: plain names, none a path)."""
+        for record in manifest.files:
+            target = building / record.name
+            at = received.get(record.name)
+            if at is not None:
+                copy_bytes(self.part, at, record.nbytes, target)
+            elif record.name in self._local_files:
+                copy_bytes(self._local_files[record.name], 0, record.nbytes, target)
+            else:
+                raise TransferError(f"file {escape(record.name)} was neither held nor received")
+            if target.stat().st_size != record.nbytes or sha256_of(target) != record.sha256:
+                raise TransferError(
+                    f"file {escape(record.name)} did not read back as verified from the copy "
+                    "built for it; nothing was installed and the copy already here is unchanged"
+                )
 
 
 _BUILDING, _OLD = ".install-", ".old-"

@@ -1,8 +1,9 @@
 """A live three-host cluster (agents in network namespaces, as ``test_prepare_cluster.py``)
 against a peer that holds the cluster secret and turns the stage's file handling on it: prepare
 manifests naming a tensor twice or naming no tensor at all (``__metadata__``, a path, a NUL),
-and an adapter whose weights file is a symbolic link to the cluster secret, asked for through
-``mlxppctl adapter load`` and straight at the stage.
+or naming a model file by a path or by a name no prepared copy carries, and an adapter whose
+weights file is a symbolic link to the cluster secret, asked for through ``mlxppctl adapter
+load`` and straight at the stage.
 
 Stage 1's host starts with one tensor changed, and ``mlxppctl prepare`` installs the cluster's
 copy there first: the copy every attack would replace. After each attack the cluster must
@@ -120,8 +121,11 @@ def link_to_the_secret(attacked: Attacked, tmp_path_factory: pytest.TempPathFact
         ("metadata", "'__metadata__' is the key safetensors reserves"),
         ("path", "'../../../etc/cron.d/x' holds a path separator"),
         ("nul", "'model.norm\\x00.weight' holds a control, format or unassigned character"),
+        ("file-up", ".name: '../x' is a path"),
+        ("file-dir", ".name: 'a/b' is a path"),
+        ("file-unlisted", ".name: 'run.sh' is not one of the files a prepared copy"),
     ],
-    ids=["twice", "metadata", "path", "nul"],
+    ids=["twice", "metadata", "path", "nul", "file-up", "file-dir", "file-unlisted"],
 )
 def test_a_hostile_manifest_fails_its_prepare_alone(
     attacked: Attacked, attack: str, says: str
@@ -129,9 +133,16 @@ def test_a_hostile_manifest_fails_its_prepare_alone(
     refused = attacked.attack(attack)
     assert not refused["ok"]
     assert refused["error"].startswith(
-        "RuntimeError: stage-1 refused the prepare: the prepare manifest was refused: records["
+        "RuntimeError: stage-1 refused the prepare: the prepare manifest was refused: "
     ), refused
     assert says in refused["error"], refused
+    field = "files[" if attack.startswith("file-") else "records["
+    assert f"the prepare manifest was refused: {field}" in refused["error"], refused
+    # Nothing was written where a path would lead (the copy's directory, its parent).
+    assert (
+        not (attacked.copy_root / "x").exists() and not (attacked.copy_root.parent / "x").exists()
+    )
+    assert not (attacked.copy_root / "current" / "a").exists()
     attacked.assert_still_serving()
 
 

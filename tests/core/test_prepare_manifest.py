@@ -9,7 +9,11 @@ from typing import Any
 
 import pytest
 
-from mlxppd.core.protocol.model_transfer import ManifestError, parse_manifest
+from mlxppd.core.protocol.model_transfer import (
+    MAX_MODEL_FILE_BYTES,
+    ManifestError,
+    parse_manifest,
+)
 
 RECORD = {"name": "model.layers.0.mlp.up_proj.weight", "dtype": "BF16", "shape": [4, 8],
           "nbytes": 64, "sha256": "ab" * 32}  # fmt: skip
@@ -22,13 +26,23 @@ def payload(**changes: Any) -> bytes:
     return json.dumps({**MANIFEST, **changes}).encode()
 
 
+FILE = {"name": "tokenizer.json", "nbytes": 3000, "sha256": "cd" * 32}
+
+
 def named(name: str) -> list[dict[str, Any]]:
     return [LM_HEAD, {**RECORD, "name": name}]
+
+
+def file_named(name: str) -> list[dict[str, Any]]:
+    return [FILE, {**FILE, "name": name}]
 
 
 def test_a_manifest_as_prepare_sends_it_is_accepted() -> None:
     manifest = parse_manifest(payload())
     assert [r.name for r in manifest.records] == [RECORD["name"], "lm_head.weight"]
+    assert manifest.files == []  # a manifest from before the tokenizer files travelled
+    files = parse_manifest(payload(files=file_named("tokenizer_config.json"))).files
+    assert [f.name for f in files] == ["tokenizer.json", "tokenizer_config.json"]
 
 
 @pytest.mark.parametrize(
@@ -58,6 +72,30 @@ def test_a_manifest_as_prepare_sends_it_is_accepted() -> None:
         ({"stage": 2}, "stage: 2 is not below num_stages (2)"),
         ({"layers": [3, 0]}, "layers: [3, 0) ends before it starts"),
         ({"note": "hi"}, "note: Extra inputs are not permitted"),
+        ({"files": file_named("../x")}, "files[1].name: '../x' is a path"),
+        ({"files": file_named("a/b")}, "files[1].name: 'a/b' is a path"),
+        ({"files": file_named("..")}, "files[1].name: '..' is a path"),
+        ({"files": file_named("a\\b")}, "files[1].name: 'a\\\\b' is a path"),
+        (
+            {"files": file_named("model.py")},
+            "files[1].name: 'model.py' is not one of the files a prepared copy carries",
+        ),
+        ({"files": file_named("tokenizer.json")}, "files[1].name: 'tokenizer.json' is listed"),
+        (
+            {"files": [{**FILE, "nbytes": MAX_MODEL_FILE_BYTES + 1}]},
+            f"files[0].nbytes: {MAX_MODEL_FILE_BYTES + 1}; a model file is at most",
+        ),
+        (
+            {
+                "files": [
+                    {**FILE, "nbytes": MAX_MODEL_FILE_BYTES},
+                    {**FILE, "name": "vocab.json", "nbytes": MAX_MODEL_FILE_BYTES},
+                    {**FILE, "name": "merges.txt", "nbytes": 1},
+                ]
+            },
+            "files: 134217729 bytes in all; at most 134217728",
+        ),  # fmt: skip
+        ({"files": [{**FILE, "sha256": "x"}]}, "files[0].sha256: String should match pattern"),
     ],
     ids=[
         "twice",
@@ -73,6 +111,15 @@ def test_a_manifest_as_prepare_sends_it_is_accepted() -> None:
         "stage",
         "layers",
         "extra",
+        "file-up",
+        "file-dir",
+        "file-dotdot",
+        "file-backslash",
+        "file-unlisted",
+        "file-twice",
+        "file-large",
+        "files-large",
+        "file-digest",
     ],  # fmt: skip
 )
 def test_a_bad_manifest_is_refused_in_one_sentence_naming_the_field(

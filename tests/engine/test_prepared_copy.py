@@ -2,7 +2,8 @@
 engine): a real stage worker that holds no model listens on loopback; a real sender ships it
 from a tiny checkpoint. Only the stage's tensors travel, an interrupted send resumes without a
 byte sent twice, and bytes that do not match the cluster's digests are never installed or
-loaded."""
+loaded. The tokenizer files travel too (the last stage compiles grammars against them), under
+the same digests, and only by the plain names a prepared copy carries."""
 
 from __future__ import annotations
 
@@ -20,12 +21,17 @@ import pytest
 from mlxppd.core.config.cluster import Node, NodeRole
 from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.kv_admission import UNLIMITED_BYTES, StageKvManager
-from mlxppd.core.protocol.model_transfer import PrepareResult
+from mlxppd.core.protocol.model_transfer import FileRecord, PrepareManifest, PrepareResult
 from mlxppd.core.stages import StageSpec
 from mlxppd.engine.prepared_copy import ModelReceiver, prepared_root, stage_model_dir
 from mlxppd.engine.stage import load_stage
 from mlxppd.engine.stage_digest import iter_chunks, stage_identity
-from mlxppd.runtime.coordinator.model_sender import ShipProgress, manifest_for, ship_stage
+from mlxppd.runtime.coordinator.model_sender import (
+    ShipProgress,
+    files_for,
+    manifest_for,
+    ship_stage,
+)
 from mlxppd.runtime.stage.worker import StageWorker
 from mlxppd.runtime.system.mlx_thread import MlxThread
 from mlxppd.wire.backends import create_transport
@@ -67,7 +73,8 @@ async def ship(
 ) -> PrepareResult | None:
     manifest, tensors = manifest_for(source, spec, model_config(source), "tiny")
     sender = create_transport("tcp", config("coordinator"))
-    return await ship_stage(sender, node, manifest, tensors, progress, **kw)
+    files = files_for(source, manifest)
+    return await ship_stage(sender, node, manifest, tensors, progress, files=files, **kw)
 
 
 def test_an_empty_node_gets_exactly_its_stages_tensors(
@@ -296,3 +303,144 @@ def test_an_install_cut_off_between_its_two_renames_gets_the_installed_copy_back
     (receiver.root / "current").rename(receiver.root / ".old-4242")
     ModelReceiver(receiver.root, None, tmp_path)
     assert_serves_the_clusters_copy(receiver.root, source, spec)
+
+
+# -- the tokenizer files --------------------------------------------------------------------
+
+#: what a model directory holds beside its weights: the first three a prepared copy carries
+TOKENIZER_FILES = {
+    "tokenizer.json": b'{"version": "1.0", "model": {"type": "BPE", "vocab": {}}}' * 300,
+    "tokenizer_config.json": b'{"eos_token": "</s>", "chat_template": "{{ messages }}"}',
+    "chat_template.jinja": b"{% for m in messages %}{{ m.content }}{% endfor %}",
+    "README.md": b"not part of any stage",
+}
+CARRIED = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def with_tokenizer(source: Path, target: Path) -> Path:
+    shutil.copytree(source, target)
+    for name, data in TOKENIZER_FILES.items():
+        (target / name).write_bytes(data)
+    return target
+
+
+def stream_of(manifest: PrepareManifest, names: list[str], files: list[str], source: Path) -> bytes:
+    """The bytes a sender streams for the receiver's plan: the tensors, then the files."""
+    _, tensors = manifest_for(source, SPLIT[1], model_config(source), "tiny")
+    data = b"".join(b"".join(iter_chunks(tensors[n])) for n in names)
+    return data + b"".join((source / f).read_bytes() for f in files)
+
+
+def test_the_copy_holds_the_tokenizer_files_byte_identical_and_a_second_prepare_ships_none(
+    tiny_model: Callable[..., Path], tmp_path: Path
+) -> None:
+    source = with_tokenizer(tiny_model("prepare-llama", TINY_LLAMA), tmp_path / "source")
+    progress, again = ShipProgress("stage-1", 1, (3, 6)), ShipProgress("stage-1", 1, (3, 6))
+
+    async def scenario() -> None:
+        async with EmptyNode(tmp_path / "cache") as node:
+            result = await ship(node, source, SPLIT[1], progress)
+            assert result is not None and result.ok
+            assert await ship(node, source, SPLIT[1], again) is None
+
+    run(scenario)
+    copy = prepared_root(tmp_path / "cache", "tiny") / "current"
+    for name in CARRIED:
+        assert (copy / name).read_bytes() == (source / name).read_bytes()
+    assert not (copy / "README.md").exists()  # only the names a prepared copy carries
+    files = sum(len(TOKENIZER_FILES[n]) for n in CARRIED)
+    tensors = stage_identity(source, SPLIT[1], model_config(source)).nbytes
+    assert progress.bytes_sent == progress.bytes_total == progress.stage_bytes == tensors + files
+    assert (again.found, again.bytes_sent) == ("present", 0)
+
+
+def test_a_copy_without_the_tokenizer_files_is_sent_only_them(
+    tiny_model: Callable[..., Path], tmp_path: Path
+) -> None:
+    """A copy installed before the files travelled: the next prepare sends no tensor."""
+    bare = tiny_model("prepare-llama", TINY_LLAMA)
+    source = with_tokenizer(bare, tmp_path / "source")
+    later = ShipProgress("stage-1", 1, (3, 6))
+
+    async def scenario() -> None:
+        async with EmptyNode(tmp_path / "cache") as node:
+            assert await ship(node, bare, SPLIT[1], ShipProgress("stage-1", 1, (3, 6)))
+            result = await ship(node, source, SPLIT[1], later)
+            assert result is not None and result.ok
+
+    run(scenario)
+    assert (later.found, later.tensors_needed) == ("missing", 0)
+    assert later.bytes_sent == sum(len(TOKENIZER_FILES[n]) for n in CARRIED)
+    copy = prepared_root(tmp_path / "cache", "tiny") / "current"
+    assert (copy / "tokenizer.json").read_bytes() == TOKENIZER_FILES["tokenizer.json"]
+
+
+def test_a_tampered_tokenizer_file_is_refused_and_nothing_is_installed(
+    tiny_model: Callable[..., Path], tmp_path: Path
+) -> None:
+    source = with_tokenizer(tiny_model("prepare-llama", TINY_LLAMA), tmp_path / "source")
+    manifest, _ = manifest_for(source, SPLIT[1], model_config(source), "tiny")
+    receiver = ModelReceiver(prepared_root(tmp_path, "tiny"), None, tmp_path)
+    state, names = receiver.check(manifest)
+    assert state.files == list(CARRIED)
+    stream = stream_of(manifest, names, state.files, source)
+    flipped = bytearray(stream)
+    flipped[-len(TOKENIZER_FILES["chat_template.jinja"]) - 10] ^= 0x01  # in tokenizer_config
+    receiver.write(0, bytes(flipped))
+    result = receiver.commit()
+    assert not result.ok
+    assert "file tokenizer_config.json arrived with sha256" in (result.error or "")
+    assert "discarded and nothing was installed" in (result.error or "")
+    assert not (receiver.root / "current").exists()
+    # The tensors and the file verified before it stay; the next try sends the rest.
+    state, _ = receiver.check(manifest)
+    assert state.have_bytes == len(stream) - sum(len(TOKENIZER_FILES[n]) for n in CARRIED[1:])
+    receiver.write(state.have_bytes, stream[state.have_bytes :])
+    assert receiver.commit().ok
+    assert (receiver.root / "current" / "tokenizer_config.json").read_bytes() == (
+        TOKENIZER_FILES["tokenizer_config.json"]
+    )
+
+
+def test_a_manifest_naming_a_path_or_an_unlisted_file_is_refused_and_the_node_keeps_its_copy(
+    tiny_model: Callable[..., Path], tmp_path: Path
+) -> None:
+    """Over the wire, from a sender that skips the edge's checks: a file named '../x', 'a/b'
+    or one no prepared copy carries fails that prepare alone, naming the field; nothing is
+    written outside the copy and the copy installed before still serves."""
+    source = with_tokenizer(tiny_model("prepare-llama", TINY_LLAMA), tmp_path / "source")
+    spec = SPLIT[1]
+    manifest, tensors = manifest_for(source, spec, model_config(source), "tiny")
+    data = source / "tokenizer.json"
+    held = files_for(source, manifest)["tokenizer.json"]
+    says = {
+        "../x": "is a path",
+        "a/b": "is a path",
+        "README.md": "is not one of the files a prepared copy carries",
+    }
+    refusals: dict[str, str] = {}
+
+    async def scenario() -> None:
+        async with EmptyNode(tmp_path / "cache") as node:
+            assert await ship(node, source, spec, ShipProgress("stage-1", 1, (3, 6)))
+            for name in says:
+                record = FileRecord.model_construct(**{**dict(held.record), "name": name})
+                bad = PrepareManifest.model_construct(
+                    **{**dict(manifest), "files": [*manifest.files, record]}
+                )
+                files = {**files_for(source, manifest), name: type(held)(record, data)}
+                sender = create_transport("tcp", config("coordinator"))
+                with pytest.raises(RuntimeError, match="refused the prepare") as refused:
+                    await ship_stage(
+                        sender, node, bad, tensors, ShipProgress("stage-1", 1, (3, 6)),
+                        files=files,
+                    )  # fmt: skip
+                refusals[name] = str(refused.value)
+
+    run(scenario)
+    for name, clause in says.items():
+        assert re.search(rf"files\[3\]\.name: '{re.escape(name)}' {clause}", refusals[name])
+    root = prepared_root(tmp_path / "cache", "tiny")
+    assert not (root / "x").exists() and not (root / "current" / "a").exists()
+    assert not (root / "current" / "README.md").exists()
+    assert_serves_the_clusters_copy(root, source, spec)

@@ -1,5 +1,6 @@
 """Prepared copies for tests: a node's copy with one tensor changed, and what a hostile peer
-holding the cluster secret sends a stage instead of ``mlxppctl prepare``'s manifest.
+holding the cluster secret sends a stage instead of ``mlxppctl prepare``'s manifest (tensors
+or model files named as none may be).
 
 ``python -m tests.support.prepared_copies ATTACK CONFIG_DIR MODEL_DIR HOST:PORT START END
 [ADAPTER_DIR]`` runs one attack from a host of a test cluster (``ip netns exec``), as node
@@ -19,11 +20,17 @@ from typing import Any
 from mlxppd.core.config.cluster import Node, NodeRole, load_cluster_config
 from mlxppd.core.model_identity import TensorRecord
 from mlxppd.core.protocol.adapters import AdapterLoad, AdapterReply
-from mlxppd.core.protocol.model_transfer import PrepareManifest
+from mlxppd.core.protocol.model_transfer import FileRecord, PrepareManifest
 from mlxppd.core.stages import StageSpec
+from mlxppd.engine.prepared_files import HeldFile
 from mlxppd.engine.stage_digest import StoredTensor
 from mlxppd.runtime.coordinator.control_client import ControlClient
-from mlxppd.runtime.coordinator.model_sender import ShipProgress, manifest_for, ship_stage
+from mlxppd.runtime.coordinator.model_sender import (
+    ShipProgress,
+    files_for,
+    manifest_for,
+    ship_stage,
+)
 from mlxppd.wire.backends import create_transport, wire_config_for
 from mlxppd.wire.node_key import load_node_key
 from mlxppd.wire.secret import load_cluster_secret
@@ -61,6 +68,21 @@ def crafted(
     )
     held = tensors[source]
     return bad, {**tensors, extra.name: StoredTensor(extra, held.path, held.offset)}
+
+
+#: model files named as no prepared copy's file may be: a path out, a path in, an unlisted name
+FILE_ATTACKS = {"file-up": "../x", "file-dir": "a/b", "file-unlisted": "run.sh"}
+
+
+def crafted_file(
+    manifest: PrepareManifest, files: dict[str, HeldFile], name: str
+) -> tuple[PrepareManifest, dict[str, HeldFile]]:
+    """``manifest`` plus a file ``name`` (no validation) whose bytes and digest are those of
+    tokenizer.json: they would verify, were the name taken."""
+    held = files["tokenizer.json"]
+    record = FileRecord.model_construct(**{**dict(held.record), "name": name})
+    bad = PrepareManifest.model_construct(**{**dict(manifest), "files": [*manifest.files, record]})
+    return bad, {**files, name: HeldFile(record, held.path)}
 
 
 def hostile_manifest(
@@ -105,10 +127,15 @@ async def attack(argv: list[str]) -> dict[str, Any]:
     config = json.loads((model / "config.json").read_text())
     spec = StageSpec(1, 2, int(start), int(end))
     manifest, tensors = manifest_for(model, spec, config, model.name)
-    bad, bad_tensors = hostile_manifest(name, manifest, tensors)
+    files = files_for(model, manifest)
+    if name in FILE_ATTACKS:
+        bad, files = crafted_file(manifest, files, FILE_ATTACKS[name])
+        bad_tensors = tensors
+    else:
+        bad, bad_tensors = hostile_manifest(name, manifest, tensors)
     progress = ShipProgress("stage-1", 1, (spec.start, spec.end))
     try:
-        result = await ship_stage(transport, node, bad, bad_tensors, progress)
+        result = await ship_stage(transport, node, bad, bad_tensors, progress, files=files)
     except Exception as exc:  # what the stage answered, or how the channel ended
         return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
     return {"ok": result is None or result.ok, "error": None if result is None else result.error}

@@ -3,13 +3,15 @@
 ``Identify`` asks a stage what it serves (the coordinator's check at connect and after every
 layer move; ``--dry-run``'s version check). ``PrepareCheck`` / ``PrepareData`` /
 ``PrepareCommit`` are ``mlxppctl prepare``: the sender offers the cluster's records of the tensors
-the stage's layers need (a JSON payload, bounded), the stage answers which it lacks and how many
-bytes of an interrupted transfer it already holds, the sender streams the rest, and the stage
-verifies every tensor's SHA-256 before it installs the copy.
+the stage's layers need and of the model directory's tokenizer files (a JSON payload, bounded),
+the stage answers which it lacks and how many bytes of an interrupted transfer it already holds,
+the sender streams the rest (tensors, then files), and the stage verifies every tensor's and
+file's SHA-256 before it installs the copy.
 
 A manifest is checked whole at the edge (``parse_manifest``): each tensor named once, by a
 name a safetensors file can hold as a tensor, with a byte count its dtype and shape agree
-with; a node never builds a copy from one that is not.
+with; each file named once, by a plain name from ``MODEL_FILES``, within the size bounds; a
+node never builds a copy from one that is not.
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, TypeAdapter, ValidationError, model_validator
 
 from mlxppd.core.log_text import escape, quoted
-from mlxppd.core.model_identity import StageIdentity, TensorRecord
+from mlxppd.core.model_identity import Sha256, StageIdentity, TensorRecord
 from mlxppd.core.strict import StrictModel
 
 Rid = Annotated[int, Field(ge=0, le=(1 << 63) - 1)]
 Count = Annotated[int, Field(ge=0, le=(1 << 63) - 1)]
 FamilyName = Annotated[str, Field(min_length=1, max_length=64)]
+FileName = Annotated[str, Field(min_length=1, max_length=64)]
 
 #: tensors one manifest may list (DeepSeek-V3's checkpoint has about 92 000)
 MAX_MANIFEST_TENSORS = 1 << 18
@@ -36,6 +39,17 @@ MAX_MANIFEST_BYTES = 64 << 20
 MAX_CHUNK_BYTES = 16 << 20
 #: bytes of config.json a manifest may carry
 MAX_CONFIG_BYTES = 1 << 20
+#: the model directory's non-weight files a prepared copy carries beside config.json: what a
+#: stage needs to load the tokenizer (the last stage compiles output grammars against it)
+MODEL_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "generation_config.json", "chat_template.jinja", "chat_template.json",
+    "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model",
+)  # fmt: skip
+#: bytes of one such file (the largest tokenizer.json files are a few tens of MiB)
+MAX_MODEL_FILE_BYTES = 64 << 20
+#: bytes of all of them together
+MAX_MODEL_FILES_BYTES = 128 << 20
 #: the safetensors header key that holds the file's metadata, never a tensor
 METADATA_KEY = "__metadata__"
 #: bytes per element of each safetensors dtype a node installs
@@ -70,6 +84,14 @@ class IdentityReply(StrictModel):
     detail: str = Field("", max_length=600, description="why the model is missing")
 
 
+class FileRecord(StrictModel):
+    """One of the model directory's ``MODEL_FILES`` as the cluster's copy holds it."""
+
+    name: FileName
+    nbytes: Count
+    sha256: Sha256
+
+
 class PrepareManifest(StrictModel):
     """The cluster's copy of what one stage needs (travels as the check's JSON payload)."""
 
@@ -79,6 +101,7 @@ class PrepareManifest(StrictModel):
     stage: int = Field(ge=0, le=4096)
     num_stages: int = Field(ge=1, le=4096)
     records: list[TensorRecord] = Field(max_length=MAX_MANIFEST_TENSORS)
+    files: list[FileRecord] = Field(default_factory=list, max_length=len(MODEL_FILES))
 
     @model_validator(mode="after")
     def _coherent(self) -> PrepareManifest:
@@ -96,6 +119,36 @@ def tensor_name_problem(name: str) -> str | None:
         return "holds a path separator; tensor names are keys such as model.embed_tokens.weight"
     if any(unicodedata.category(c).startswith("C") for c in name):
         return "holds a control, format or unassigned character (NUL among them)"
+    return None
+
+
+def file_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot name a file of an installed copy, as a clause (None: it can)."""
+    if "/" in name or "\\" in name or ".." in name:
+        return "is a path; a model file is named plainly, as tokenizer.json"
+    if name not in MODEL_FILES:
+        return f"is not one of the files a prepared copy carries ({', '.join(MODEL_FILES)})"
+    return None
+
+
+def files_problem(files: list[FileRecord]) -> str | None:
+    """The first thing that makes ``files`` impossible to install, naming the field."""
+    seen: set[str] = set()
+    for index, record in enumerate(files):
+        field = f"files[{index}]"
+        problem = file_name_problem(record.name)
+        if problem is not None:
+            return f"{field}.name: {quoted(record.name, 80)} {problem}"
+        if record.name in seen:
+            return f"{field}.name: {quoted(record.name, 80)} is listed twice"
+        seen.add(record.name)
+        if record.nbytes > MAX_MODEL_FILE_BYTES:
+            return (
+                f"{field}.nbytes: {record.nbytes}; a model file is at most {MAX_MODEL_FILE_BYTES}"
+            )
+    total = sum(r.nbytes for r in files)
+    if total > MAX_MODEL_FILES_BYTES:
+        return f"files: {total} bytes in all; at most {MAX_MODEL_FILES_BYTES}"
     return None
 
 
@@ -133,7 +186,7 @@ def manifest_problem(manifest: PrepareManifest) -> str | None:
         problem = record_problem(record)
         if problem is not None:
             return f"{field}: {problem}"
-    return None
+    return files_problem(manifest.files)
 
 
 class ManifestError(ValueError):
@@ -183,8 +236,13 @@ class PrepareState(StrictModel):
     present: Count = 0
     missing: Count = 0
     mismatched: Count = 0
-    needed_bytes: Count = Field(0, description="bytes of the tensors to send")
+    needed_bytes: Count = Field(0, description="bytes of the tensors and files to send")
     have_bytes: Count = Field(0, description="of those, already here from an interrupted send")
+    files: list[FileName] = Field(
+        default_factory=list,
+        max_length=len(MODEL_FILES),
+        description="the model files to send, in order, after the tensors",
+    )
 
 
 class PrepareData(StrictModel):
@@ -195,7 +253,7 @@ class PrepareData(StrictModel):
 
 
 class PrepareCommit(StrictModel):
-    """Verify every received tensor and install the copy."""
+    """Verify every received tensor and file and install the copy."""
 
     op: Literal["prepare_commit"] = "prepare_commit"
     rid: Rid = 0

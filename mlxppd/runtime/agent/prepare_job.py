@@ -20,7 +20,12 @@ from typing import Any, Literal
 from mlxppd.core.config.cluster import Node
 from mlxppd.core.stages import StageSpec
 from mlxppd.core.status_document import PrepareNodeProgress, PrepareStatus
-from mlxppd.runtime.coordinator.model_sender import ShipProgress, manifest_for, ship_stage
+from mlxppd.runtime.coordinator.model_sender import (
+    ShipProgress,
+    files_for,
+    manifest_for,
+    ship_stage,
+)
 from mlxppd.wire.tasks import spawn, stop_tasks
 from mlxppd.wire.transport import Transport
 
@@ -74,6 +79,7 @@ class PrepareJob:
                 manifest,
                 tensors,
                 progress,
+                files=files_for(self.source, manifest),
                 max_rate_bytes_s=self.max_rate_bytes_s,
             )
         except Exception as exc:  # one node's failure is reported; the others go on

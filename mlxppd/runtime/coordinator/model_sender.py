@@ -1,7 +1,8 @@
-"""The sending end of ``mlxppctl prepare``: ship one stage node the tensors its layers need.
+"""The sending end of ``mlxppctl prepare``: ship one stage node the tensors its layers need,
+and the model directory's tokenizer files (``engine/prepared_files.py``).
 
 Over the stage's own authenticated, encrypted channel (no other port): offer the cluster's
-records of the stage's tensors, hear which the node lacks (``present``, ``missing`` or
+records of the stage's tensors and files, hear which the node lacks (``present``, ``missing`` or
 ``mismatch``) and how many bytes an interrupted try left there, stream the rest in chunks,
 optionally at a capped rate, then ask the node to verify and install. Progress is one
 :class:`ShipProgress` per node, which status documents and the terminal show.
@@ -13,7 +14,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from mlxppd.core.config.cluster import Node
+from mlxppd.core.model_identity import TensorRecord
 from mlxppd.core.protocol.model_transfer import (
     PrepareCheck,
     PrepareCommit,
@@ -30,6 +32,7 @@ from mlxppd.core.protocol.model_transfer import (
     PrepareState,
 )
 from mlxppd.core.stages import StageSpec
+from mlxppd.engine.prepared_files import HeldFile, model_files_of
 from mlxppd.engine.stage_digest import StoredTensor, iter_chunks, stage_tensors_of
 from mlxppd.runtime.coordinator.control_client import ControlClient
 from mlxppd.wire.transport import Transport
@@ -54,12 +57,12 @@ class ShipProgress:
     """what the node held: present, missing or mismatch"""
     tensors_needed: int = 0
     bytes_total: int = 0
-    """bytes of the tensors the node lacked"""
+    """bytes of the tensors and files the node lacked"""
     bytes_resumed: int = 0
     """of those, already on the node from an interrupted try (not sent again)"""
     bytes_sent: int = 0
     stage_bytes: int = 0
-    """checkpoint bytes of every tensor the stage needs (what a full copy would send)"""
+    """bytes of every tensor and file the stage needs (what a full copy would send)"""
     error: str | None = None
     started: float | None = None
     finished: float | None = None
@@ -87,8 +90,10 @@ def manifest_for(
     model_name: str,
     cache_dir: Path | None = None,
 ) -> tuple[PrepareManifest, dict[str, StoredTensor]]:
-    """The cluster's records of what stage ``spec`` needs, from the copy in ``source``."""
+    """The cluster's records of what stage ``spec`` needs, from the copy in ``source`` (its
+    files travel to every stage: a layer move or an adoption can make any stage the last)."""
     tensors = stage_tensors_of(source, spec, config, cache_dir)
+    files = model_files_of(source)
     manifest = PrepareManifest(
         model_name=model_name,
         config=config,
@@ -96,8 +101,14 @@ def manifest_for(
         stage=spec.index,
         num_stages=spec.num_stages,
         records=[t.record for t in sorted(tensors.values(), key=lambda t: t.record.name)],
+        files=[f.record for f in files.values()],
     )
     return manifest, tensors
+
+
+def files_for(source: Path, manifest: PrepareManifest) -> dict[str, HeldFile]:
+    """Where the manifest's files lie in ``source`` (``ship_stage``'s ``files``)."""
+    return {f.name: HeldFile(f, source / f.name) for f in manifest.files}
 
 
 async def ship_stage(
@@ -107,13 +118,17 @@ async def ship_stage(
     tensors: dict[str, StoredTensor],
     progress: ShipProgress,
     *,
+    files: Mapping[str, HeldFile] | None = None,
     max_rate_bytes_s: float | None = None,
     reply_timeout_s: float = 120.0,
     chunk_bytes: int = CHUNK_BYTES,
 ) -> PrepareResult | None:
-    """Bring ``node``'s copy of its stage's tensors to the cluster's; None when it had them."""
+    """Bring ``node``'s copy of its stage's tensors and the manifest's files (which lie at
+    ``files``) to the cluster's; None when it had them."""
+    files = files or {}
     progress.state, progress.error = "checking", None
     progress.stage_bytes = sum(r.nbytes for r in manifest.records)
+    progress.stage_bytes += sum(f.nbytes for f in manifest.files)
     channel = await transport.connect(node.host, node.port, expected_peer=node.id)
     control = ControlClient(channel, reply_timeout_s)
     reader = asyncio.ensure_future(control.read_replies())
@@ -125,14 +140,16 @@ async def ship_stage(
         needed: list[str] = json.loads(names or b"[]")
         if not isinstance(needed, list) or any(n not in tensors for n in needed):
             raise RuntimeError(f"{node.id} asked for tensors that stage does not own")
+        if any(n not in files for n in state.files):
+            raise RuntimeError(f"{node.id} asked for files the manifest does not list")
         progress.found = state.state
         progress.tensors_needed = len(needed)
         progress.bytes_total, progress.bytes_resumed = state.needed_bytes, state.have_bytes
-        if not needed:
+        if not needed and not state.files:
             progress.state = "done"
             return None
         progress.state, progress.started = "sending", progress.clock()
-        chosen = [tensors[n] for n in needed]
+        chosen = [tensors[n] for n in needed] + [_as_stored(files[n]) for n in state.files]
         await _stream(control, chosen, progress, max_rate_bytes_s, chunk_bytes)
         progress.state = "verifying"
         result = await control.ask(PrepareCommit(), PrepareResult, timeout_s=COMMIT_TIMEOUT_S)
@@ -145,6 +162,16 @@ async def ship_stage(
         reader.cancel()
 
 
+def _as_stored(held: HeldFile) -> StoredTensor:
+    """A file as a stream item: its bytes from offset 0, under its size (the chunker reads
+    only the record's name and byte count; dtype and shape are placeholders)."""
+    record = TensorRecord(
+        name=held.record.name, dtype="U8", shape=[held.record.nbytes],
+        nbytes=held.record.nbytes, sha256=held.record.sha256,
+    )  # fmt: skip
+    return StoredTensor(record, held.path, 0)
+
+
 async def _stream(
     control: ControlClient,
     tensors: list[StoredTensor],
@@ -152,7 +179,7 @@ async def _stream(
     max_rate_bytes_s: float | None,
     chunk_bytes: int,
 ) -> None:
-    """The tensors' bytes back to back, from where the node's copy of the stream ends."""
+    """The items' bytes back to back, from where the node's copy of the stream ends."""
     offset, skip = 0, progress.bytes_resumed
     began = time.monotonic()
     for tensor in tensors:

@@ -108,10 +108,10 @@ class ModelCommands:
                 await send_reply(channel, PrepareState(rid=command.rid, ok=False, error=detail))
                 return
             log.info(
-                "prepare: the cluster's copy of layers %d-%d: %s here (%d tensors, %.1f MB to "
-                "receive, %.1f MB of it already here)",
+                "prepare: the cluster's copy of layers %d-%d: %s here (%d tensors and %d files,"
+                " %.1f MB to receive, %.1f MB of it already here)",
                 manifest.layers[0], manifest.layers[1] - 1, state.state, len(names),
-                state.needed_bytes / 1e6, state.have_bytes / 1e6,
+                len(state.files), state.needed_bytes / 1e6, state.have_bytes / 1e6,
             )  # fmt: skip
             listing = np.frombuffer(json.dumps(names).encode(), dtype=np.uint8)
             await send_reply(channel, state.model_copy(update={"rid": command.rid}), listing)
