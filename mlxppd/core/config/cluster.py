@@ -1,42 +1,44 @@
 """The cluster TOML: pydantic models, their invariants, and loading with readable errors.
 
-Text-level helpers live beside it: ``addresses`` (host:port), ``messages`` (error wording) and
-``render`` (the TOML text, which imports this module; this one never imports it).
+Its parts live beside it: ``nodes`` (one ``[[nodes]]`` entry), ``roles`` (node roles and their
+spellings), ``topology`` (the cross-node invariants), ``roster`` (node and operator keys);
+text-level helpers ``addresses`` (host:port), ``messages`` (error wording) and ``render`` (the
+TOML text, which imports this module; this one never imports it).
 
 One file describes the whole cluster: ``[cluster]`` (sizes, transport, secret, elastic and
 failover policies, optional layer ranges) and one ``[[nodes]]`` entry per process. Every
-invariant the runtime relies on is checked here, so later layers can trust a ``ClusterConfig``
-without re-checking it.
+invariant the runtime relies on is checked here (or by a part it calls), so later layers can
+trust a ``ClusterConfig`` without re-checking it.
 """
 
 from __future__ import annotations
 
-import enum
 import json
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import (
-    BeforeValidator,
     Field,
     ValidationError,
-    WithJsonSchema,
     field_validator,
     model_validator,
 )
 
 from mlxppd.core.config.adapters import AdapterEntry, adapter_names_problem
-from mlxppd.core.config.addresses import address_key, parse_address
+from mlxppd.core.config.addresses import parse_address
 from mlxppd.core.config.failover import FailoverPolicy
 from mlxppd.core.config.messages import KeyedValueError, validation_error
 from mlxppd.core.config.names import NAME_SCHEMA, name_problem, suggested_name
+from mlxppd.core.config.nodes import Node
 from mlxppd.core.config.ports import (
     DEFAULT_TRANSPORT_PORT_RANGE,
     TransportPortRangeField,
     fill_node_ports,
 )
+from mlxppd.core.config.roles import NodeRole
 from mlxppd.core.config.roster import Roster, parse_public_key
+from mlxppd.core.config.topology import check_topology
 from mlxppd.core.cpu_weights import CpuWeights, CpuWeightsField
 from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.layer_ranges import LayerRange, check_layer_ranges, even_split, parse_layer_range
@@ -60,49 +62,10 @@ TransportBackend = Literal["tcp", "thunderbolt", "rdma"]
 Loc = tuple[str | int, ...]
 
 
-class NodeRole(enum.StrEnum):
-    """What a node does in the cluster."""
-
-    #: serves the HTTP API and drives the stages, holding no layers; the TOML spells it
-    #: "hybrid" (as other pipeline engines do) and accepts "coordinator"
-    COORDINATOR = "hybrid"
-    PIPELINE_STAGE = "pipeline_stage"
-    PIPELINE_TENSOR_PARALLEL = "pipeline_tensor_parallel"
-    #: runs an agent and holds the model files but serves no layers until the coordinator
-    #: gives it a lost stage's; not counted in pipeline_parallel_size
-    STANDBY = "standby"
-
-
 #: ``grammar_compile_limit_s``: its default, and its ceiling (seconds), which keeps a refused
 #: compile's reply well inside the coordinator's 30 s wait for an admission
 DEFAULT_GRAMMAR_COMPILE_LIMIT_S = 5.0
 MAX_GRAMMAR_COMPILE_LIMIT_S = 20.0
-
-# Spellings accepted on input (aliases); output always uses the canonical value.
-_ROLE_ALIASES = {
-    "coordinator": NodeRole.COORDINATOR,
-    "pp_tp": NodeRole.PIPELINE_TENSOR_PARALLEL,
-    "2d": NodeRole.PIPELINE_TENSOR_PARALLEL,
-}
-_ROLE_INPUTS = [r.value for r in NodeRole] + list(_ROLE_ALIASES)
-
-
-def _normalise_role(value: object) -> object:
-    if isinstance(value, str) and not isinstance(value, NodeRole):
-        role = _ROLE_ALIASES.get(value, value)
-        if role not in _ROLE_INPUTS:
-            choices = ", ".join(f"'{r}'" for r in _ROLE_INPUTS)
-            raise ValueError(f"unknown role '{value}'; use one of {choices}")
-        return NodeRole(role)
-    return value
-
-
-RoleField = Annotated[
-    NodeRole,
-    BeforeValidator(_normalise_role),
-    # The schema lists the aliases too, so editors validating a TOML do not flag valid input.
-    WithJsonSchema({"type": "string", "enum": _ROLE_INPUTS}),
-]
 
 
 class ElasticPolicy(_Strict):
@@ -274,86 +237,6 @@ class ClusterSection(_Strict):
         return tuple(parse_layer_range(t) for t in self.layers)
 
 
-class Node(_Strict):
-    """``[[nodes]]``: one mlxppd process in the cluster."""
-
-    id: str = Field(
-        ...,
-        description="Unique node id (letters, digits, '.', '_', '-'; at most 255); used by "
-        "--node-id.",
-        json_schema_extra=NAME_SCHEMA,
-    )
-    address: str = Field(
-        ...,
-        description="host:port other nodes connect to (IPv4, [IPv6]:port or hostname); "
-        "without a port, the node's position in the file counted from the first port of "
-        "[cluster] transport_port_range.",
-    )
-    role: RoleField = Field(
-        ...,
-        description="'hybrid' (the coordinator; alias 'coordinator'), 'pipeline_stage', "
-        "'pipeline_tensor_parallel' (aliases 'pp_tp', '2d'), or 'standby' (no layers until "
-        "the coordinator gives it a lost stage's).",
-    )
-    stage: int | None = Field(
-        None, ge=0, strict=True, description="Pipeline stage index (0-based); stage nodes only."
-    )
-    rank: int | None = Field(
-        None, ge=0, strict=True, description="Tensor-parallel rank (0-based); 2D nodes only."
-    )
-    tp_address: str | None = Field(
-        None,
-        description="host:port where this rank joins its stage's MLX ring (tensor-parallel "
-        "collectives, unencrypted: a private link); 2D nodes only; default: address's host, "
-        "the port after address's.",
-    )
-
-    @field_validator("id")
-    @classmethod
-    def _check_id(cls, value: str) -> str:
-        problem = name_problem(value, "node id")
-        if problem is not None:
-            raise ValueError(f'{problem}; rename it, e.g. id = "stage-0"')
-        return value
-
-    @field_validator("address")
-    @classmethod
-    def _check_address(cls, value: str) -> str:
-        parse_address(value)
-        return value
-
-    @property
-    def host(self) -> str:
-        """Host part of ``address`` (without IPv6 brackets)."""
-        return parse_address(self.address)[0]
-
-    @property
-    def port(self) -> int:
-        """Port part of ``address``."""
-        return parse_address(self.address)[1]
-
-    @field_validator("tp_address")
-    @classmethod
-    def _check_tp_address(cls, value: str | None) -> str | None:
-        if value is not None:
-            parse_address(value)
-        return value
-
-    @property
-    def tp_rank(self) -> int:
-        """Tensor-parallel rank, 0 for a node of a pipeline-only cluster."""
-        return self.rank if self.rank is not None else 0
-
-    @property
-    def ring_address(self) -> str:
-        """Where this rank joins its stage's ring (``tp_address``, or the port after
-        ``address``'s on the same host)."""
-        if self.tp_address is not None:
-            return self.tp_address
-        host, port = parse_address(self.address)
-        return f"[{host}]:{port + 1}" if ":" in host else f"{host}:{port + 1}"
-
-
 class ClusterConfig(_Strict):
     """A whole cluster TOML file."""
 
@@ -420,7 +303,9 @@ class ClusterConfig(_Strict):
 
     @model_validator(mode="after")
     def _topology_is_valid(self) -> ClusterConfig:
-        _check_topology(self)
+        check_topology(
+            self.nodes, self.cluster.pipeline_parallel_size, self.cluster.tensor_parallel_size
+        )
         problem = adapter_names_problem(self.adapters)
         if problem is not None:
             raise KeyedValueError(("adapters",), problem)
@@ -473,187 +358,6 @@ class ClusterConfig(_Strict):
         except ValueError as exc:
             raise ConfigurationError(str(exc), key="cluster.layers") from None
         return ranges
-
-
-def _check_topology(cfg: ClusterConfig) -> None:
-    """Every cross-node invariant; raises KeyedValueError at the first problem, in node order."""
-    pp = cfg.cluster.pipeline_parallel_size
-    tp = cfg.cluster.tensor_parallel_size
-    seen_ids: dict[str, int] = {}
-    seen_addresses: dict[tuple[str, int], int] = {}
-    coordinators: list[int] = []
-    slots: dict[tuple[int, int], int] = {}
-    for i, node in enumerate(cfg.nodes):
-        _check_unique(cfg, i, seen_ids, seen_addresses)
-        if node.role in (NodeRole.COORDINATOR, NodeRole.STANDBY):
-            _check_stageless(cfg, i, coordinators)
-            continue
-        slot = _stage_slot(node, i, pp, tp)
-        if slot in slots:
-            other = cfg.nodes[slots[slot]].id
-            key = "stage" if tp == 1 else "rank"
-            where = f"stage {node.stage}" if tp == 1 else f"(stage {slot[0]}, rank {slot[1]})"
-            what = "each stage" if tp == 1 else "each (stage, rank) pair"
-            raise KeyedValueError(
-                ("nodes", i, key),
-                f"{where} appears on nodes '{other}' and '{node.id}'; give {what} exactly one node",
-            )
-        slots[slot] = i
-    if tp > 1:
-        _check_rings(cfg)
-    if not coordinators:
-        raise KeyedValueError(
-            ("nodes",),
-            "no node has role 'hybrid'; add one coordinator node with role = \"hybrid\"",
-        )
-    _check_complete(slots, pp, tp)
-
-
-def _check_rings(cfg: ClusterConfig) -> None:
-    """Every rank's ring address is its own: no other rank's, no node's transport address."""
-    taken = {address_key(n.address): n.id for n in cfg.nodes}
-    for i, node in enumerate(cfg.nodes):
-        if node.role is not NodeRole.PIPELINE_TENSOR_PARALLEL:
-            continue
-        if node.tp_address is None and node.port == 65535:
-            raise KeyedValueError(
-                ("nodes", i, "tp_address"),
-                f"node '{node.id}' listens on port 65535, so there is no port after it for its "
-                "tensor-parallel ring; set tp_address to a free host:port",
-            )
-        canon = address_key(node.ring_address)
-        if canon in taken:
-            how = "its tp_address" if node.tp_address else "the port after its address"
-            raise KeyedValueError(
-                ("nodes", i, "tp_address"),
-                f"node '{node.id}' would join its tensor-parallel ring on {node.ring_address} "
-                f"({how}), which node '{taken[canon]}' uses already; set tp_address to a free "
-                "host:port",
-            )
-        taken[canon] = node.id
-
-
-def _check_unique(
-    cfg: ClusterConfig,
-    i: int,
-    seen_ids: dict[str, int],
-    seen_addresses: dict[tuple[str, int], int],
-) -> None:
-    """Node ``i``'s id and address are not used by an earlier node (records them)."""
-    node = cfg.nodes[i]
-    if node.id in seen_ids:
-        raise KeyedValueError(
-            ("nodes", i, "id"),
-            f"node id '{node.id}' is used by nodes[{seen_ids[node.id]}] and nodes[{i}]; "
-            "give each node a unique id",
-        )
-    seen_ids[node.id] = i
-    # Hostnames are case-insensitive; IPv6 spellings are compared in canonical form.
-    canon = address_key(node.address)
-    if canon in seen_addresses:
-        other = cfg.nodes[seen_addresses[canon]].id
-        raise KeyedValueError(
-            ("nodes", i, "address"),
-            f"address '{node.address}' is used by nodes '{other}' and '{node.id}'; "
-            "give each node its own host:port",
-        )
-    seen_addresses[canon] = i
-
-
-def _check_stageless(cfg: ClusterConfig, i: int, coordinators: list[int]) -> None:
-    """The coordinator (one per cluster, recorded) or a standby: no stage or rank key."""
-    node = cfg.nodes[i]
-    if node.role is NodeRole.COORDINATOR and coordinators:
-        other = cfg.nodes[coordinators[0]].id
-        raise KeyedValueError(
-            ("nodes", i, "role"),
-            f"nodes '{other}' and '{node.id}' both have role 'hybrid'; a cluster has "
-            "exactly one coordinator, so give the others role 'pipeline_stage'",
-        )
-    if node.role is NodeRole.COORDINATOR:
-        coordinators.append(i)
-        what = f"the coordinator '{node.id}' runs no stage"
-    else:
-        what = (
-            f"node '{node.id}' is a standby, which serves no stage of its own until the "
-            "coordinator gives it a lost stage's layers"
-        )
-    for key in ("stage", "rank", "tp_address"):
-        if getattr(node, key) is not None:
-            raise KeyedValueError(("nodes", i, key), f"{what}; remove its {key} key")
-
-
-def _stage_slot(node: Node, i: int, pp: int, tp: int) -> tuple[int, int]:
-    """The (stage, rank) a stage node fills, once its role, stage and rank are consistent."""
-    name = f"'{node.id}'"
-    if node.role is NodeRole.PIPELINE_TENSOR_PARALLEL and tp == 1:
-        raise KeyedValueError(
-            ("nodes", i, "role"),
-            f"node {name} has role 'pipeline_tensor_parallel' but tensor_parallel_size is 1; "
-            "set cluster.tensor_parallel_size above 1 or use role 'pipeline_stage'",
-        )
-    if node.role is NodeRole.PIPELINE_STAGE and tp > 1:
-        raise KeyedValueError(
-            ("nodes", i, "role"),
-            f"node {name} has role 'pipeline_stage' but tensor_parallel_size is {tp}; "
-            "in a 2D cluster every stage node has role 'pipeline_tensor_parallel' and a rank",
-        )
-    if node.stage is None:
-        raise KeyedValueError(
-            ("nodes", i, "stage"), f"node {name} has no stage; set stage to one of 0..{pp - 1}"
-        )
-    if node.stage >= pp:
-        raise KeyedValueError(
-            ("nodes", i, "stage"),
-            f"node {name} has stage {node.stage} but pipeline_parallel_size is {pp}; "
-            f"use a stage from 0 to {pp - 1}",
-        )
-    if tp == 1:
-        if node.tp_address is not None:
-            raise KeyedValueError(
-                ("nodes", i, "tp_address"),
-                f"node {name} has role 'pipeline_stage', which joins no tensor-parallel ring; "
-                "remove tp_address, or set cluster.tensor_parallel_size for a 2D cluster",
-            )
-        if node.rank is not None:
-            raise KeyedValueError(
-                ("nodes", i, "rank"),
-                f"node {name} has role 'pipeline_stage', which has no tensor-parallel rank; "
-                "remove rank, or set cluster.tensor_parallel_size for a 2D cluster",
-            )
-        return node.stage, 0
-    if node.rank is None:
-        raise KeyedValueError(
-            ("nodes", i, "rank"), f"node {name} has no rank; set rank to one of 0..{tp - 1}"
-        )
-    if node.rank >= tp:
-        raise KeyedValueError(
-            ("nodes", i, "rank"),
-            f"node {name} has rank {node.rank} but tensor_parallel_size is {tp}; "
-            f"use a rank from 0 to {tp - 1}",
-        )
-    return node.stage, node.rank
-
-
-def _check_complete(slots: dict[tuple[int, int], int], pp: int, tp: int) -> None:
-    """Every (stage, rank) of the pp x tp grid has its node."""
-    missing = [(s, r) for s in range(pp) for r in range(tp) if (s, r) not in slots]
-    if not missing:
-        return
-    if tp == 1:
-        names = ", ".join(str(s) for s, _ in missing)
-        subject = f"stage {names} has" if len(missing) == 1 else f"stages {names} have"
-        raise KeyedValueError(
-            ("nodes",),
-            f"{subject} no node; pipeline_parallel_size = {pp} needs one "
-            f"'pipeline_stage' node for each stage 0..{pp - 1}",
-        )
-    names = ", ".join(f"(stage {s}, rank {r})" for s, r in missing)
-    raise KeyedValueError(
-        ("nodes",),
-        f"{len(slots)} 'pipeline_tensor_parallel' nodes but pipeline_parallel_size x "
-        f"tensor_parallel_size = {pp * tp}; add nodes for {names}",
-    )
 
 
 def parse_cluster_config(text: str, source: str) -> ClusterConfig:
