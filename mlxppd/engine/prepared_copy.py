@@ -48,7 +48,13 @@ from mlxppd.core.protocol.model_transfer import (
     PrepareState,
 )
 from mlxppd.core.stages import StageSpec
-from mlxppd.engine.prepared_files import copy_bytes, find_local, sha256_of
+from mlxppd.engine.prepared_files import (
+    ShortSource,
+    copy_bytes,
+    copy_range,
+    find_local,
+    sha256_of,
+)
 from mlxppd.engine.stage_digest import (
     StoredTensor,
     hash_range,
@@ -57,8 +63,6 @@ from mlxppd.engine.stage_digest import (
 )
 
 log = logging.getLogger("mlxppd.prepare")
-
-_COPY_CHUNK = 4 << 20
 
 
 def prepared_root(cache_dir: Path, model_name: str) -> Path:
@@ -459,14 +463,9 @@ def _write_safetensors(path: Path, sources: list[tuple[TensorRecord, Path, int]]
     with path.open("wb") as out:
         out.write(struct.pack("<Q", len(raw)) + raw)
         for record, source, offset in sources:
-            with source.open("rb") as f:
-                f.seek(offset)
-                left = record.nbytes
-                while left > 0:
-                    chunk = f.read(min(_COPY_CHUNK, left))
-                    if not chunk:
-                        raise TransferError(f"{source} ends inside tensor {record.name}")
-                    out.write(chunk)
-                    left -= len(chunk)
+            try:
+                copy_range(source, offset, record.nbytes, out)
+            except ShortSource:
+                raise TransferError(f"{source} ends inside tensor {record.name}") from None
         out.flush()
         os.fsync(out.fileno())

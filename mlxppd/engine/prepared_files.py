@@ -13,7 +13,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import BinaryIO, Literal
 
 from mlxppd.core.errors import ConfigurationError
 from mlxppd.core.protocol.model_transfer import (
@@ -97,16 +97,26 @@ def find_local(
     return found, None
 
 
-def copy_bytes(source: Path, offset: int, nbytes: int, target: Path) -> None:
-    """``nbytes`` of ``source`` from ``offset`` as the whole of ``target``, synced."""
-    with source.open("rb") as f, target.open("wb") as out:
+class ShortSource(OSError):
+    """A file ended before the bytes a copy was told it holds."""
+
+
+def copy_range(source: Path, offset: int, nbytes: int, out: BinaryIO) -> None:
+    """Append ``nbytes`` of ``source`` from ``offset`` to ``out``, a piece at a time."""
+    with source.open("rb") as f:
         f.seek(offset)
         left = nbytes
         while left > 0:
             chunk = f.read(min(_CHUNK, left))
             if not chunk:
-                raise OSError(f"{source} ends before {nbytes} bytes of {target.name}")
+                raise ShortSource(f"{source} ends {left} bytes before the {nbytes} to copy")
             out.write(chunk)
             left -= len(chunk)
+
+
+def copy_bytes(source: Path, offset: int, nbytes: int, target: Path) -> None:
+    """``nbytes`` of ``source`` from ``offset`` as the whole of ``target``, synced."""
+    with target.open("wb") as out:
+        copy_range(source, offset, nbytes, out)
         out.flush()
         os.fsync(out.fileno())
