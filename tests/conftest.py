@@ -72,6 +72,7 @@ SLOW_MODULES = (
     "test_partition_generate.py",
     "test_family_parity.py",
     "test_chunked_prefill.py",
+    "test_top_logprobs_batching.py",
     "test_grammar.py",
     "test_grammar_attack.py",
     "test_cors.py",

@@ -48,6 +48,7 @@ __all__ = [
     "encode",
     "encode_message",
     "encode_parts",
+    "metadata_bytes",
 ]
 
 #: version, kind, dtype code, ndim, metadata length
@@ -72,6 +73,12 @@ def _json_bytes(meta: Mapping[str, Any]) -> bytes:
     if b"null" in raw:  # orjson writes NaN and infinity as null; they are not JSON
         _refuse_non_finite(obj)
     return raw
+
+
+def metadata_bytes(meta: Mapping[str, Any]) -> int:
+    """How many bytes ``meta`` takes in a message (before its alignment padding): what
+    ``max_metadata_bytes`` bounds."""
+    return len(_json_bytes(meta))
 
 
 def _refuse_non_finite(value: object) -> None:

@@ -54,13 +54,14 @@ CLUSTER_TOML += roster_toml(["coordinator", "stage-0", "stage-1"])  # base64: no
 
 
 async def stage_worker(
-    model_dir: Path, mlx: MlxThread, spec: StageSpec, *, movable: bool = False
+    model_dir: Path, mlx: MlxThread, spec: StageSpec, *, movable: bool = False, sequences: int = 8
 ) -> StageWorker:
     """A real stage worker for ``spec`` of the checkpoint in ``model_dir``, node id
-    ``stage-<index>``, not started yet; ``movable``: it can take new layers (a repartition)."""
+    ``stage-<index>``, not started yet; ``movable``: it can take new layers (a repartition);
+    ``sequences``: how many it holds KV for at once."""
     model_config = read_model_config(model_dir)
     runner, per_token = await load_stage_runner(mlx, model_dir, spec, model_config)
-    kv = stage_kv_manager(spec, per_token, None, 8)
+    kv = stage_kv_manager(spec, per_token, None, sequences)
     transport = create_transport("tcp", config(f"stage-{spec.index}"))
     prepare = layer_preparer(mlx, model_dir, model_config, None, 8) if movable else None
     return StageWorker(spec, runner, kv, transport, mlx, prepare_layers=prepare)

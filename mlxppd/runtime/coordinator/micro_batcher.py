@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,6 +39,8 @@ class _Group:
     logprobs: set[str] = field(default_factory=set)
     #: leaving sequences: done once the step carrying them is answered
     settling: dict[str, asyncio.Future[None]] = field(default_factory=dict)
+    #: the rows of the step's answer received so far, while it comes in parts (``more``)
+    parts: list[tuple[str, TokenEvent]] = field(default_factory=list)
 
 
 def _done() -> asyncio.Future[None]:
@@ -118,19 +120,36 @@ class MicroBatcher:
         return True
 
     def on_tokens(
-        self, gid: str, seqs: list[str], tokens: list[int], logprobs: list[float | None] | None
+        self,
+        gid: str,
+        seqs: list[str],
+        tokens: list[int],
+        logprobs: list[float | None] | None,
+        tops: Sequence[Sequence[tuple[int, float]] | None] | None = None,
+        more: bool = False,
     ) -> None:
-        """The last stage's answer to one group step."""
+        """The last stage's answer to one group step: per member in batch order, its token,
+        its logprob and its most likely tokens (``tops``: None where it asked none). ``more``:
+        a part of the answer, whose other rows follow; the step is answered with the last."""
         group = self._groups.get(gid)
         if group is None:
             return
-        answer = group.state.answered(seqs)
-        group.state = answer.group
         for i, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
+            lp = logprobs[i] if logprobs is not None else None
+            row = tops[i] if tops is not None else None
+            top = tuple(row) if row is not None else None
+            group.parts.append((seq, TokenEvent(token=token, logprob=lp, top=top)))
+        if len(group.parts) > MAX_MICRO_BATCH:
+            raise ValueError(f"an answer to micro-batch {gid} has more rows than a batch")
+        if more:
+            return
+        rows, group.parts = group.parts, []
+        answer = group.state.answered([seq for seq, _ in rows])
+        group.state = answer.group
+        for seq, event in rows:
             future = group.waiting.pop(seq, None)
             if future is not None and not future.done():
-                lp = logprobs[i] if logprobs is not None else None
-                future.set_result(TokenEvent(token=token, logprob=lp))
+                future.set_result(event)
         for seq in answer.dropped:
             self._group_of.pop(seq, None)
             group.inputs.pop(seq, None)

@@ -73,7 +73,9 @@ class SequenceRouter:
         elif "group" in message.meta and self.batcher is not None:
             batch = BatchTokenMeta.model_validate(dict(message.meta))
             tokens = np.frombuffer(message.tensor.data, dtype=np.int32).tolist()
-            self.batcher.on_tokens(batch.group, batch.seqs, tokens, batch.logprobs)
+            self.batcher.on_tokens(
+                batch.group, batch.seqs, tokens, batch.logprobs, batch.tops, batch.more
+            )
         else:
             meta = TokenMeta.model_validate(dict(message.meta))
             token = int(np.frombuffer(message.tensor.data, dtype=np.int32)[0])

@@ -220,9 +220,10 @@ class SequenceRunner:
                     # Queue the next step before handing this token out: the pipeline works
                     # while the caller detokenizes and streams.
                     batcher = self._router.batcher
-                    if batcher is not None and not params.top_logprobs:
-                        # Decode steps join a micro-batch; the prefill ran on its own (and a
-                        # sequence reporting top logprobs decodes alone: they ride on TokenMeta).
+                    if batcher is not None:
+                        # Decode steps join a micro-batch; the prefill ran on its own. A
+                        # sequence reporting top logprobs joins too: the last stage returns
+                        # each member's own (``BatchTokenMeta.tops``).
                         pending = batcher.submit(seq, item.token, params.logprobs)
                     else:
                         step += 1

@@ -25,6 +25,7 @@ from mlxppd.core.protocol.pipeline import (
     GroupFailure,
     SequenceFailure,
     TokenMeta,
+    split_answer,
 )
 from mlxppd.engine.sampling import Sampled
 from mlxppd.engine.stage_runner import EntryMissing, RowFailed, StageRunner
@@ -42,7 +43,7 @@ from mlxppd.runtime.stage.work import (
     ReleaseWork,
     SwapWork,
 )
-from mlxppd.wire.codec import Message, MessageKind
+from mlxppd.wire.codec import Message, MessageKind, metadata_bytes
 from mlxppd.wire.errors import ChannelClosedError
 
 log = logging.getLogger("mlxppd.stage")
@@ -289,23 +290,33 @@ class StageCompute:
         s.stats.batched_passes += 1
         s.stats.batched_rows += len(meta.seqs)
         if last:
-            sampled = [(q, r) for q, r in zip(meta.seqs, result, strict=True)]
-            for seq, row in sampled:
-                if isinstance(row, RowFailed):
-                    await self._sequence_failed(seq, ValueError(row.message))
-            good = [(q, r) for q, r in sampled if isinstance(r, Sampled)]
-            if not good:
-                return
-            tokens = np.array([r.token for _, r in good], dtype=np.int32)
-            out = BatchTokenMeta(
-                group=meta.group,
-                seqs=[q for q, _ in good],
-                step=meta.step,
-                logprobs=[r.logprob for _, r in good] if meta.logprobs else None,
-            )
-            await self._out.put((MessageKind.TOKENS, out, tokens))
+            await self._answer_group(meta, result)
             return
         await self._out.put((MessageKind.ACTIVATION, meta, result))
+
+    async def _answer_group(self, meta: BatchForwardMeta, rows: list[Sampled | RowFailed]) -> None:
+        """Send the coordinator a sampled group step: each member's failure alone, then the
+        others' tokens (in parts when they would not fit one message's metadata)."""
+        sampled = list(zip(meta.seqs, rows, strict=True))
+        for seq, row in sampled:
+            if isinstance(row, RowFailed):
+                await self._sequence_failed(seq, ValueError(row.message))
+        good = [(q, r) for q, r in sampled if isinstance(r, Sampled)]
+        if not good:
+            return
+        tokens = np.array([r.token for _, r in good], dtype=np.int32)
+        # A member reporting top logprobs gets them in its row (None for the others).
+        tops = [list(r.top) if r.top is not None else None for _, r in good]
+        out = BatchTokenMeta(
+            group=meta.group,
+            seqs=[q for q, _ in good],
+            step=meta.step,
+            logprobs=[r.logprob for _, r in good] if meta.logprobs else None,
+            tops=tops if any(t is not None for t in tops) else None,
+        )
+        limit = self._state.transport.config.limits.max_metadata_bytes
+        for part, part_rows in split_answer(out, lambda m: metadata_bytes(m.model_dump()) <= limit):
+            await self._out.put((MessageKind.TOKENS, part, tokens[part_rows]))
 
     async def send_loop(self) -> None:
         s = self._state

@@ -1,14 +1,20 @@
 """Auto micro-batches: one group per stage, the streams spread evenly over them; a fixed size
-fills the fullest group first."""
+fills the fullest group first. Each member gets its own row of the last stage's answer (its
+token, logprob and top logprobs), which may come in parts."""
 
 from __future__ import annotations
 
 import asyncio
 
 import numpy as np
+import pytest
+from pydantic import ValidationError
 
+from mlxppd.core.protocol.pipeline import BatchTokenMeta
 from mlxppd.runtime.backends.contract import SequenceFailed, TokenEvent
 from mlxppd.runtime.coordinator.micro_batcher import MicroBatcher
+from mlxppd.runtime.coordinator.sequence_router import SequenceRouter
+from mlxppd.wire.codec import Message, MessageKind, as_tensor
 
 
 def groups_of(size: int, stages: int, streams: int) -> list[list[str]]:
@@ -146,5 +152,85 @@ def test_a_member_leaving_after_the_pipeline_is_lost_is_settled_at_once() -> Non
         batcher.fail(RuntimeError("the pipeline is gone"))
         assert batcher.leave("a").done() and batcher.leave("b").done()
         assert isinstance(a.exception(), RuntimeError)
+
+    asyncio.run(run())
+
+
+def routed() -> tuple[SequenceRouter, list[tuple[str, list[str]]]]:
+    """A router whose batcher makes groups of 2 on one stage, and the steps it sends."""
+    sent: list[tuple[str, list[str]]] = []
+
+    async def send(
+        gid: str, seqs: list[str], step: int, tokens: np.ndarray, lp: bool, alone: bool
+    ) -> None:
+        sent.append((gid, seqs))
+
+    return SequenceRouter(2, send, 1), sent
+
+
+def tokens_message(meta: BatchTokenMeta, tokens: list[int]) -> Message:
+    """The last stage's answer as the link reader hands it on."""
+    return Message(MessageKind.TOKENS, meta.model_dump(), as_tensor(np.array(tokens, np.int32)))
+
+
+A_TOP = [(5, -0.1), (9, -2.5)]
+
+
+def test_each_member_of_a_step_gets_its_own_top_logprobs() -> None:
+    """A sequence reporting top logprobs rides in a micro-batch like the others."""
+
+    async def run() -> None:
+        router, sent = routed()
+        assert router.batcher is not None
+        a, b = await both_in_flight(router.batcher, sent)
+        gid, seqs = sent[-1]
+        answer = BatchTokenMeta(
+            group=gid, seqs=seqs, step=1, logprobs=[-0.1, -0.7], tops=[A_TOP, None]
+        )
+        router.deliver("stage-1", tokens_message(answer, [5, 6]))
+        assert a.result() == TokenEvent(token=5, logprob=-0.1, top=tuple(A_TOP))
+        assert b.result() == TokenEvent(token=6, logprob=-0.7, top=None)  # it asked none
+
+    asyncio.run(run())
+
+
+def test_an_answer_in_parts_answers_the_step_with_its_last_part() -> None:
+    async def run() -> None:
+        router, sent = routed()
+        assert router.batcher is not None
+        a, b = await both_in_flight(router.batcher, sent)
+        gid, seqs = sent[-1]
+        first = BatchTokenMeta(group=gid, seqs=["a"], step=1, tops=[A_TOP], more=True)
+        router.deliver("stage-1", tokens_message(first, [5]))
+        await asyncio.sleep(0)
+        assert not a.done() and not b.done()  # the step is answered once every part is in
+        last = BatchTokenMeta(group=gid, seqs=["b"], step=1)
+        router.deliver("stage-1", tokens_message(last, [6]))
+        assert a.result() == TokenEvent(token=5, top=tuple(A_TOP))
+        assert b.result() == TokenEvent(token=6)
+        # The group goes on as one: its next step carries both again.
+        router.batcher.submit("a", 5, False)
+        router.batcher.submit("b", 6, False)
+        await asyncio.sleep(0)
+        assert sent[-1] == (gid, ["a", "b"])
+
+    asyncio.run(run())
+
+
+def test_an_answer_whose_rows_do_not_match_its_members_is_refused() -> None:
+    """A protocol violation: the link reader that delivers it closes the stage's link."""
+
+    async def run() -> None:
+        router, sent = routed()
+        assert router.batcher is not None
+        a, b = await both_in_flight(router.batcher, sent)
+        gid, seqs = sent[-1]
+        meta = {"group": gid, "seqs": seqs, "step": 1, "tops": [A_TOP]}
+        bad = Message(MessageKind.TOKENS, meta, as_tensor(np.array([5, 6], np.int32)))
+        with pytest.raises(ValidationError, match="1 rows of tops for 2 members"):
+            router.deliver("stage-1", bad)
+        assert not a.done() and not b.done()
+        a.cancel()
+        b.cancel()
 
     asyncio.run(run())
