@@ -60,6 +60,8 @@ async def start_agent_http(
         console,
         api_key=target.api_key,
         cors_origins=target.cors_origins,
+        max_choices_per_request=target.max_choices_per_request,
+        max_sequences=target.parallel,
         metrics=metrics,
         metrics_route=context.host.metrics,
         admin=admin,

@@ -29,10 +29,11 @@ from typing import Any, cast
 
 from aiohttp import streams, web
 
+from mlxppd.app.http_server_log import ServerLog
 from mlxppd.core.config.addresses import join_host_port
 from mlxppd.core.config.tls import MAKE_ONE, TlsFiles, check_tls_files
 from mlxppd.core.errors import ConfigurationError
-from mlxppd.http.base_app import BodyDeadline, cut_counter, note_listener
+from mlxppd.http.base_app import BodyDeadline, cut_counter, note_listener, rejected_counter
 
 __all__ = [
     "BodyDeadline",
@@ -305,16 +306,19 @@ async def start_site(
     limits: HttpLimits | None = None,
     stats: HttpGuardStats | None = None,
     tls: ssl.SSLContext | None = None,
+    server_log: ServerLog | None = None,
 ) -> tuple[web.AppRunner, int]:
     """Serve ``app`` on ``host:port`` within ``limits``, counting what it turns away into
-    ``stats``, over TLS with ``tls``; returns its runner (``cleanup()`` stops it) and the port
-    bound (port 0 asks the OS for a free one)."""
+    ``stats``, over TLS with ``tls``; the requests aiohttp refuses itself go to ``server_log``
+    (a new one counting into the app's metrics by default: ``app/http_server_log.py``).
+    Returns its runner (``cleanup()`` stops it) and the port bound (port 0 asks the OS)."""
     guard = _Guard(limits or HttpLimits(), stats or HttpGuardStats(), metric=cut_counter(app))
     app.middlewares.insert(0, _middleware(guard))
     note_listener(app, host)
     runner = web.AppRunner(
         app,
-        access_log=None,
+        access_log=None,  # the base app logs each request once, escaped (http/base_app.py)
+        logger=server_log or ServerLog(rejected_counter(app)),
         keepalive_timeout=guard.limits.keepalive_timeout_s,
         lingering_time=guard.limits.linger_s,
     )

@@ -68,6 +68,8 @@ async def serve_http(
         api_key=options.api_key,
         alias=options.alias,
         cors_origins=options.cors_origins,
+        max_choices_per_request=options.max_choices_per_request,
+        max_sequences=options.parallel,
         metrics=metrics,
         metrics_route=options.metrics,
         admin=admin,

@@ -21,6 +21,11 @@ from mlxppd.core.config.ports import (
 )
 from mlxppd.core.config.private_file import ALLOW_LOOSE_FLAG, ENV_ALLOW_LOOSE
 from mlxppd.core.errors import ConfigurationError
+from mlxppd.core.fair_share import (
+    DEFAULT_MAX_CHOICES_PER_REQUEST,
+    MAX_CHOICES_PER_REQUEST,
+    per_client,
+)
 from mlxppd.wire.operator_key import parse_operator_flags
 
 _PORT_RANGE_FLAG = "--transport-port-range"
@@ -107,7 +112,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--parallel",
         type=int,
-        help="sequences the coordinator generates at once; more requests wait (default 64)",
+        help="sequences the coordinator generates at once, every choice of n counting; when "
+        "all are taken a client within its fair share waits, one over it gets 503 (default 64)",
+    )
+    p.add_argument(
+        "--max-choices-per-request",
+        type=int,
+        help=f"the most choices (n) one request may ask for, 1 to {MAX_CHOICES_PER_REQUEST} "
+        f"(default {DEFAULT_MAX_CHOICES_PER_REQUEST})",
     )
     p.add_argument(
         "--max-batch-size",
@@ -432,6 +444,14 @@ def _node_options(args: argparse.Namespace) -> Any:
         )
     if args.parallel < 1:
         raise ConfigurationError("must be at least 1", source="--parallel")
+    most = min(MAX_CHOICES_PER_REQUEST, per_client(args.parallel))
+    if not 1 <= args.max_choices_per_request <= most:
+        raise ConfigurationError(
+            f"use a number from 1 to {most}: at most {MAX_CHOICES_PER_REQUEST}, and at most "
+            f"the {per_client(args.parallel)} sequences one client may hold of --parallel "
+            f"{args.parallel} (a request with more choices could never run)",
+            source="--max-choices-per-request",
+        )
     if args.prefill_chunk_size is not None and not 1 <= args.prefill_chunk_size <= 65536:
         raise ConfigurationError(
             "use a number of tokens from 1 to 65536", source="--prefill-chunk-size"
@@ -461,6 +481,7 @@ def _node_options(args: argparse.Namespace) -> Any:
         kv_budget_bytes=args.kv_budget_bytes,
         max_sequences=args.max_batch_size,
         parallel=args.parallel,
+        max_choices_per_request=args.max_choices_per_request,
         warmup=not args.no_warmup,
         alias=args.alias,
         adapters=tuple(args.adapter or ()),

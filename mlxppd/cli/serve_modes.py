@@ -19,6 +19,7 @@ from pathlib import Path
 from mlxppd.core.config.cluster import NodeRole, load_cluster_config
 from mlxppd.core.config.names import name_problem
 from mlxppd.core.errors import ConfigurationError
+from mlxppd.core.fair_share import DEFAULT_MAX_CHOICES_PER_REQUEST
 
 __all__ = [
     "FLAGS_USED",
@@ -51,6 +52,7 @@ SERVE_DEFAULTS: dict[str, object] = {
     "host": "127.0.0.1",
     "port": 8080,
     "parallel": 64,
+    "max_choices_per_request": DEFAULT_MAX_CHOICES_PER_REQUEST,
     "max_batch_size": 64,
     "pp_micro_batch_size": "auto",
     "prompt_cache_entries": 8,
@@ -73,6 +75,7 @@ _HTTP = {
     "api_key",
     "api_key_file",
     "cors_origin",
+    "max_choices_per_request",
     "once",
     "max_tokens",
     "tls_cert",

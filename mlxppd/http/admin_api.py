@@ -389,6 +389,8 @@ def _guarded(
             )
         try:
             return await action(request)
+        except ConnectionError:
+            raise  # the client left: the base app counts it in one quiet line (http/base_app.py)
         except Exception:
             log.exception("admin request %s %s failed", request.method, route)
             return error_response(

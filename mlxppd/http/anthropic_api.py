@@ -34,6 +34,7 @@ from mlxppd.http.anthropic_models import (
 from mlxppd.http.anthropic_tools import chat_messages, tool_plan
 from mlxppd.http.api_state import STATE, ApiState
 from mlxppd.http.base_app import (
+    admit_sequences,
     body_bytes,
     client_gone,
     read_json,
@@ -187,6 +188,7 @@ async def _messages(request: web.Request) -> web.StreamResponse:
     if plan.forced and asked.grammar is not None:
         raise invalid("a forced tool call and an output format cannot both hold", "tool_choice")
     (params,) = choice_params(state, asked, len(prompt), "messages", plan)
+    await admit_sequences(request, 1)
     request_id = request_log(request).request_id
     events = state.backend.generate(request_id, prompt, params)
     # A prefill's reply is detokenized after the prompt's last tokens, to space the seam.

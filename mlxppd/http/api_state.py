@@ -11,7 +11,9 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
+from mlxppd.core.fair_share import DEFAULT_MAX_CHOICES_PER_REQUEST
 from mlxppd.http.errors import OPENAI_ERRORS, ErrorShape
+from mlxppd.http.sequence_gate import SequenceGate
 from mlxppd.runtime.backends.contract import BackendUnavailable, GenerationBackend
 from mlxppd.runtime.observability.metrics import PipelineMetrics
 
@@ -48,6 +50,9 @@ class ApiState:
     stream_stall_s: float = DEFAULT_STREAM_STALL_S
     stream_send_buffer_bytes: int = DEFAULT_STREAM_SEND_BUFFER_BYTES
     in_flight: int = 0
+    max_choices_per_request: int = DEFAULT_MAX_CHOICES_PER_REQUEST
+    #: the cap on sequences in flight, shared fairly between clients (None: uncapped)
+    sequences: SequenceGate | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     #: one thread for small inputs and one for bulk ones (``BULK_INPUT_BYTES``): tokenizing
     #: must not stall the event loop, nor a huge prompt every small one. Encoding only reads a

@@ -39,6 +39,7 @@ from mlxppd.http.errors import (
     from_backend_error,
 )
 from mlxppd.http.same_origin import check_same_origin
+from mlxppd.http.sequence_gate import Held, client_of
 from mlxppd.http.unserved import not_found
 from mlxppd.http.validation import parse_json_body
 from mlxppd.runtime.backends.contract import (
@@ -76,6 +77,9 @@ _LOG: Any = (
 _BODY_BYTES: Any = (
     web.RequestKey("mlxpp_body_bytes", int) if hasattr(web, "RequestKey") else "mlxpp_body_bytes"
 )
+_HELD: Any = (
+    web.RequestKey("mlxpp_sequences_held", list) if hasattr(web, "RequestKey") else "mlxpp_held"
+)
 
 
 class BodyDeadline(TimeoutError):
@@ -105,6 +109,16 @@ def body_bytes(request: web.Request) -> int:
     return size
 
 
+async def admit_sequences(request: web.Request, count: int) -> None:
+    """The request creates ``count`` sequences: held against the server's cap, per client fair
+    share, until the request ends (``http/sequence_gate.py``); an ApiError when refused."""
+    state = request.app[STATE]
+    if state.sequences is None:
+        return
+    held = await state.sequences.admit(client_of(request), count)
+    request.setdefault(_HELD, []).append(held)
+
+
 def cut_counter(app: web.Application) -> Callable[[str], None] | None:
     """Where the connections cut on ``app``'s clients are counted, by reason: its metrics'
     ``mlxpp_http_connections_cut`` (None when it has no metrics)."""
@@ -112,6 +126,20 @@ def cut_counter(app: web.Application) -> Callable[[str], None] | None:
     if metrics is None:
         return None
     counter = metrics.http_cut
+
+    def count(reason: str) -> None:
+        counter.labels(reason=reason).inc()
+
+    return count
+
+
+def rejected_counter(app: web.Application) -> Callable[[str], None] | None:
+    """Where the requests aiohttp refuses on ``app``'s listeners are counted, by reason: its
+    metrics' ``mlxpp_http_rejected`` (None when it has no metrics)."""
+    metrics = app[STATE].metrics if STATE in app else None
+    if metrics is None:
+        return None
+    counter = metrics.http_rejected
 
     def count(reason: str) -> None:
         counter.labels(reason=reason).inc()
@@ -236,23 +264,29 @@ def _check_headers(request: web.Request) -> None:
 @contextlib.contextmanager
 def _counted(state: ApiState, request: web.Request) -> Iterator[None]:
     """One more request in flight, or a 503 when the cap is reached (only /v1 and Ollama's
-    /api count)."""
-    if not request.path.startswith(("/v1/", "/api/")):
-        yield
-        return
-    if state.in_flight >= state.max_in_flight:
-        raise ApiError(
-            503,
-            f"the server is handling {state.in_flight} requests, its limit; retry shortly",
-            type="server_overloaded",
-            code="too_many_requests",
-            headers={"Retry-After": str(ADMISSION_RETRY_AFTER_S)},
-        )
-    state.in_flight += 1
+    /api count); the sequences the request held (``admit_sequences``) freed when it ends."""
     try:
-        yield
+        if not request.path.startswith(("/v1/", "/api/")):
+            yield
+            return
+        if state.in_flight >= state.max_in_flight:
+            raise ApiError(
+                503,
+                f"the server is handling {state.in_flight} requests, its limit; retry shortly",
+                type="server_overloaded",
+                code="too_many_requests",
+                headers={"Retry-After": str(ADMISSION_RETRY_AFTER_S)},
+            )
+        state.in_flight += 1
+        try:
+            yield
+        finally:
+            state.in_flight -= 1
     finally:
-        state.in_flight -= 1
+        held: list[Held] = request.pop(_HELD, [])
+        if state.sequences is not None:
+            for sequences in held:
+                state.sequences.release(sequences)
 
 
 async def _answer(

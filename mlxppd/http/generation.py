@@ -57,6 +57,13 @@ def choice_params(
 ) -> list[SamplingParams]:
     """One SamplingParams per choice of a prompt of ``n_prompt`` tokens; a 400 naming
     ``prompt_param`` (or max_tokens) when the prompt and the completion do not fit."""
+    if asked.n > state.max_choices_per_request:
+        raise invalid(
+            f"n is {asked.n} and this server gives at most {state.max_choices_per_request} "
+            "choices per request (its --max-choices-per-request); ask for fewer",
+            "n",
+            "too_many_choices",
+        )
     max_tokens = _max_tokens(state, asked, n_prompt, prompt_param)
     return _per_choice(state, asked, max_tokens, tools or ToolPlan())
 

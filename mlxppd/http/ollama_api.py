@@ -26,7 +26,14 @@ from aiohttp import web
 from mlxppd import __version__
 from mlxppd.core.protocol.sampling import GrammarSpec
 from mlxppd.http.api_state import STATE, ApiState
-from mlxppd.http.base_app import body_bytes, client_gone, read_json, request_log, serve_errors_as
+from mlxppd.http.base_app import (
+    admit_sequences,
+    body_bytes,
+    client_gone,
+    read_json,
+    request_log,
+    serve_errors_as,
+)
 from mlxppd.http.chat_prompt import chat_prompt, has_chat_template
 from mlxppd.http.completion import Generation
 from mlxppd.http.errors import OLLAMA_ERRORS, ApiError, invalid
@@ -292,6 +299,7 @@ async def _run(
     asked = _asked(body, model)
     param = "messages" if reply.chat else "prompt"
     (params,) = choice_params(state, asked, len(prompt), param, reply.tools)
+    await admit_sequences(request, 1)
     request_id = request_log(request).request_id
     timing.submit()
     events = state.backend.generate(request_id, prompt, params)

@@ -13,6 +13,8 @@ from collections.abc import AsyncIterator, Sequence
 
 from aiohttp import web
 
+from mlxppd.core.fair_share import DEFAULT_MAX_CHOICES_PER_REQUEST, per_client
+from mlxppd.core.kv_admission import DEFAULT_STAGE_SEQUENCES
 from mlxppd.http.admin_api import AdminApi, add_admin_routes
 from mlxppd.http.api_state import (
     DEFAULT_MAX_IN_FLIGHT,
@@ -22,7 +24,14 @@ from mlxppd.http.api_state import (
     STATE,
     ApiState,
 )
-from mlxppd.http.base_app import base_app, body_bytes, client_gone, read_json, request_log
+from mlxppd.http.base_app import (
+    admit_sequences,
+    base_app,
+    body_bytes,
+    client_gone,
+    read_json,
+    request_log,
+)
 from mlxppd.http.chat_prompt import chat_prompt, has_chat_template
 from mlxppd.http.completion import Generation, Piece, start_all
 from mlxppd.http.cors import CorsPolicy, enable_cors
@@ -31,6 +40,7 @@ from mlxppd.http.generation import choice_params, prompt_context
 from mlxppd.http.models_api import check_model, get_model, list_models
 from mlxppd.http.prompt_bound import bounded_tokens
 from mlxppd.http.responses import Shape
+from mlxppd.http.sequence_gate import SequenceGate
 from mlxppd.http.sse import SseWriter, StreamFeed, failures_end_stream
 from mlxppd.http.tools import ToolPlan, plan_tools
 from mlxppd.http.validation import ParsedRequest, parse_chat, parse_completion
@@ -57,6 +67,8 @@ def create_app(
     stream_send_buffer_bytes: int = DEFAULT_STREAM_SEND_BUFFER_BYTES,
     metrics_route: bool = True,
     cors_origins: Sequence[str] = (),
+    max_choices_per_request: int = DEFAULT_MAX_CHOICES_PER_REQUEST,
+    max_sequences: int | None = DEFAULT_STAGE_SEQUENCES,
 ) -> web.Application:
     """The OpenAI API app.
 
@@ -70,6 +82,9 @@ def create_app(
     ``admin``: also serve the signed admin API under /admin/v1 (see admin_api.py); the api key
     does not apply there, and an admin signature opens nothing under /v1.
     ``max_in_flight``: requests handled at once (503 with Retry-After beyond).
+    ``max_choices_per_request``: the most choices (``n``) a request may ask for (a 400 beyond).
+    ``max_sequences``: sequences (every choice counts) generated at once, shared fairly between
+    clients when they are all taken (``http/sequence_gate.py``; None: no cap but the stages').
     ``stream_buffer_events``: events a stream holds for a client reading slower than the model
     writes; a buffer full for ``stream_stall_s`` seconds means the client has stopped reading,
     and the stream is cut (``http/sse.py``).
@@ -81,6 +96,16 @@ def create_app(
     """
     if api_key is not None and not api_key:
         raise ValueError("api_key must not be empty; pass None to disable authentication")
+    if max_choices_per_request < 1:
+        raise ValueError(
+            f"max_choices_per_request must be 1 or more, not {max_choices_per_request}"
+        )
+    if max_sequences is not None and per_client(max_sequences) < max_choices_per_request:
+        raise ValueError(
+            f"max_choices_per_request ({max_choices_per_request}) must be at most the "
+            f"{per_client(max_sequences)} sequences one client may hold of max_sequences "
+            f"({max_sequences}): a request of that many choices could never run"
+        )
     state = ApiState(
         backend=backend,
         model_name=alias or backend.model_id,
@@ -93,6 +118,8 @@ def create_app(
         stream_stall_s=stream_stall_s,
         stream_send_buffer_bytes=stream_send_buffer_bytes,
         metrics=metrics,
+        max_choices_per_request=max_choices_per_request,
+        sequences=SequenceGate(max_sequences, metrics=metrics) if max_sequences else None,
     )
     app = base_app(state, metrics_route=metrics_route)
     enable_cors(app, CorsPolicy.of(cors_origins, has_api_key=api_key is not None))
@@ -167,6 +194,7 @@ async def _generate(
 ) -> web.StreamResponse:  # fmt: skip
     tools = tools or ToolPlan()
     params = choice_params(state, parsed, len(prompt), "messages" if chat else "prompt", tools)
+    await admit_sequences(request, len(params))
     log_line = request_log(request)
     streams = state.backend.generate_choices(log_line.request_id, prompt, params)
     tokenizer = state.backend.tokenizer

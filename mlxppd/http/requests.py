@@ -23,6 +23,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from mlxppd.core.fair_share import MAX_CHOICES_PER_REQUEST
 from mlxppd.core.protocol.control import MAX_SEED, MAX_SEQUENCE_TOKENS
 from mlxppd.http.tools import MAX_TOOLS, BoundedSchema, ToolCallIn, ToolChoice, ToolDef
 
@@ -38,7 +39,7 @@ MAX_NAME_CHARS = 256
 MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
 #: most choices per request (each holds its own KV after the shared prompt)
-MAX_CHOICES = 16
+MAX_CHOICES = MAX_CHOICES_PER_REQUEST
 #: most logit_bias entries, as OpenAI allows
 MAX_LOGIT_BIAS = 300
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")

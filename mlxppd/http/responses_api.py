@@ -23,7 +23,13 @@ from aiohttp import web
 
 from mlxppd.core.protocol.sampling import GrammarSpec
 from mlxppd.http.api_state import STATE, ApiState
-from mlxppd.http.base_app import body_bytes, client_gone, read_json, request_log
+from mlxppd.http.base_app import (
+    admit_sequences,
+    body_bytes,
+    client_gone,
+    read_json,
+    request_log,
+)
 from mlxppd.http.chat_prompt import chat_prompt, has_chat_template
 from mlxppd.http.completion import Generation
 from mlxppd.http.errors import ApiError, invalid
@@ -222,6 +228,7 @@ async def _create(request: web.Request) -> web.StreamResponse:
         grammar=grammar,
     )
     (params,) = choice_params(state, asked, len(prompt), "input", plan)
+    await admit_sequences(request, 1)
     log_line = request_log(request)
     events = state.backend.generate(log_line.request_id, prompt, params)
     gen = Generation(events, state.backend.tokenizer, len(prompt), (), client_gone(request))

@@ -25,6 +25,7 @@ from mlxppd.core.config.cluster import ClusterConfig, NodeRole, load_cluster_con
 from mlxppd.core.config.tls import TlsFiles
 from mlxppd.core.cpu_weights import CpuWeights, float32_config
 from mlxppd.core.errors import ConfigurationError
+from mlxppd.core.fair_share import DEFAULT_MAX_CHOICES_PER_REQUEST
 from mlxppd.core.kv_admission import DEFAULT_STAGE_SEQUENCES
 from mlxppd.core.layer_ranges import LayerRange
 from mlxppd.core.partition.launch import cluster_partition_plan, launch_warnings
@@ -71,6 +72,9 @@ class NodeOptions:
     kv_budget_bytes: int | None = None
     max_sequences: int = DEFAULT_STAGE_SEQUENCES
     parallel: int = 64
+    """sequences generated at once (every choice of n counts), shared fairly between clients"""
+    max_choices_per_request: int = DEFAULT_MAX_CHOICES_PER_REQUEST
+    """the most choices (n) one request may ask for"""
     warmup: bool = True
     alias: str | None = None
     api_key: str | None = field(default=None, repr=False)

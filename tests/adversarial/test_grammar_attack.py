@@ -104,6 +104,9 @@ def cluster(
                "--node-key-file", str(keys[node])]  # fmt: skip
         if node == "coordinator":
             cmd += ["--port", str(http_port), "--ready-file", str(tmp / "coordinator.ready")]
+            # The attack's 4 x 16 choices, allowed on purpose (the defaults refuse n=16, and
+            # keep an eighth of --parallel from any one client).
+            cmd += ["--max-choices-per-request", "16", "--parallel", "80"]
         logs[node] = tmp / f"{node}.log"
         with logs[node].open("wb") as out:
             procs[node] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)

@@ -114,6 +114,9 @@ def test_config_dir_lookup() -> None:
         ('node_id = "a"\nhttp_port = 70000\n', "http_port: 70000 is out of range; use a value"),
         ('log_level = "loud"\n', "log_level"),
         ("http_port = \n", "not valid TOML"),
+        ("max_choices_per_request = 17\n", "max_choices_per_request"),
+        # one client holds at most 7 of 8 sequences: 8 choices could never run
+        ("parallel = 8\nmax_choices_per_request = 8\n", "one client may hold at most 7"),
     ],
 )  # fmt: skip
 def test_file_errors_name_file_line_and_key(tmp_path: Path, text: str, expected: str) -> None:

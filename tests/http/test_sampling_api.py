@@ -30,7 +30,7 @@ def cluster(
     tmp_path_factory: pytest.TempPathFactory, model_cache: Path, embedded_model_dir: Path
 ) -> Iterator[RunningCluster]:
     env = {**os.environ, "MLXPP_MODEL_CACHE": str(model_cache), "HF_HUB_OFFLINE": "1"}
-    flags = ("--pp-size", "2", "--alias", "x")
+    flags = ("--pp-size", "2", "--alias", "x", "--max-choices-per-request", "5")
     running = start_cluster(tmp_path_factory.mktemp("sampling"), env, *flags)
     yield running
     assert running.stop() == 0, running.log()

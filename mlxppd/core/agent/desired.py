@@ -109,6 +109,7 @@ def desired_state(
             stages=tuple(StageAddress(n.id, n.host, n.port) for n in cluster.pipeline_nodes()),
             layers=ranges,
             parallel=host.parallel,
+            max_choices_per_request=host.max_choices_per_request,
             micro_batch_size=host.micro_batch_size,
             prompt_cache_entries=host.prompt_cache_entries,
             prefill_chunk_size=host.prefill_chunk_size,

@@ -14,6 +14,7 @@ from mlxppd.core.config.cluster import ElasticPolicy
 from mlxppd.core.config.roster import Roster
 from mlxppd.core.config.tls import TlsFiles
 from mlxppd.core.cpu_weights import CpuWeights
+from mlxppd.core.fair_share import DEFAULT_MAX_CHOICES_PER_REQUEST
 from mlxppd.core.kv_admission import DEFAULT_STAGE_SEQUENCES
 from mlxppd.core.layer_ranges import LayerRange
 from mlxppd.core.stages import STANDBY_INDEX
@@ -125,7 +126,9 @@ class CoordinatorTarget:
     stages: tuple[StageAddress, ...]
     layers: tuple[LayerRange, ...]
     parallel: int = 64
-    """sequences generating at once"""
+    """sequences generating at once (every choice of n counts), shared fairly between clients"""
+    max_choices_per_request: int = DEFAULT_MAX_CHOICES_PER_REQUEST
+    """the most choices (n) one request may ask for"""
     micro_batch_size: int = 0
     """decode sequences per pipeline pass"""
     prompt_cache_entries: int = 8
@@ -150,7 +153,15 @@ class CoordinatorTarget:
         )
 
     def http_key(self) -> tuple[object, ...]:
-        return (self.http_host, self.http_port, self.api_key, self.cors_origins, self.tls)
+        return (
+            self.http_host,
+            self.http_port,
+            self.api_key,
+            self.cors_origins,
+            self.tls,
+            self.parallel,
+            self.max_choices_per_request,
+        )
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,11 @@ from mlxppd.core.config.private_file import allow_loose_from, read_private_file
 from mlxppd.core.config.tls import TlsFiles, check_tls_files, tls_files
 from mlxppd.core.cpu_weights import CpuWeightsField
 from mlxppd.core.errors import ConfigurationError
+from mlxppd.core.fair_share import (
+    DEFAULT_MAX_CHOICES_PER_REQUEST,
+    MAX_CHOICES_PER_REQUEST,
+    per_client,
+)
 from mlxppd.core.kv_admission import DEFAULT_STAGE_SEQUENCES
 from mlxppd.core.strict import StrictModel
 
@@ -180,6 +185,13 @@ class HostSettings(BaseSettings):
         ge=1,
         description="Sequences the coordinator generates at once (sequences).",
     )
+    max_choices_per_request: int = Field(
+        DEFAULT_MAX_CHOICES_PER_REQUEST,
+        ge=1,
+        le=MAX_CHOICES_PER_REQUEST,
+        description="Coordinator only: the most choices (n) one request may ask for; each is a "
+        "sequence of its own counted against parallel (sequences).",
+    )
     max_sequences: int = Field(
         DEFAULT_STAGE_SEQUENCES,
         ge=1,
@@ -330,6 +342,14 @@ def load_host_settings(
     keyed = settings.api_key is not None or settings.api_key_file is not None
     if (problem := wildcard_problem(settings.cors_origins, keyed)) is not None:
         raise ConfigurationError(problem, source=str(path), key="cors_origins")
+    if settings.max_choices_per_request > per_client(settings.parallel):
+        raise ConfigurationError(
+            f"is {settings.max_choices_per_request} and one client may hold at most "
+            f"{per_client(settings.parallel)} of the {settings.parallel} sequences of parallel: "
+            "a request with that many choices could never run; lower it or raise parallel",
+            source=str(path),
+            key="max_choices_per_request",
+        )
     settings = _with_tls_files(settings, config_dir, path, check=read_api_key, environ=environ)
     if settings.api_key_file is None or not read_api_key:
         return settings

@@ -89,12 +89,7 @@ class PipelineMetrics:
             ["reason"],
             registry=r,
         )
-        self.http_cut = Counter(
-            "mlxpp_http_connections_cut",
-            "HTTP connections cut: a deadline passed, a stream's reader stopped, a client reset",
-            ["reason"],
-            registry=r,
-        )
+        self._http_families(r)
         self.failovers = Counter(
             "mlxpp_pp_failovers", "Lost stages, by how the pipeline recovered",
             ["outcome"], registry=r,
@@ -116,6 +111,38 @@ class PipelineMetrics:
         self._wire: Callable[[], dict[str, Any]] = dict
         self._rdma_fallbacks: Callable[[], int] = lambda: 0
         registry.register(_StageCollector(self))
+
+    def _http_families(self, r: CollectorRegistry) -> None:
+        """What the HTTP listeners cut, refuse and hold (``http/``, ``app/http_site.py``)."""
+        self.http_cut = Counter(
+            "mlxpp_http_connections_cut",
+            "HTTP connections cut: a deadline passed, a stream's reader stopped, a client reset",
+            ["reason"],
+            registry=r,
+        )
+        self.http_rejected = Counter(
+            "mlxpp_http_rejected",
+            "HTTP requests refused before a handler: malformed, a reset mid-request, a failure",
+            ["reason"],
+            registry=r,
+        )
+        self.sequences_in_flight = Gauge(
+            "mlxpp_http_sequences_in_flight",
+            "Sequences (choices of n included) the HTTP APIs have admitted and not finished",
+            registry=r,
+        )
+        self.sequences_waiting = Gauge(
+            "mlxpp_http_sequences_waiting",
+            "Requests waiting for room among the sequences in flight (the pipeline is full)",
+            registry=r,
+        )
+        self.sequences_refused = Counter(
+            "mlxpp_http_sequences_refused",
+            "Requests refused by the sequence cap: over_share (the client holds its share), "
+            "too_many (more than one client may hold), queue_full, queue_timeout",
+            ["reason"],
+            registry=r,
+        )
 
     def bind(
         self,
