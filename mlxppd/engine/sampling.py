@@ -168,6 +168,34 @@ class SequenceSampler:
 GREEDY = SequenceSampler(greedy)
 
 
+def sample_rows(logits: mx.array, samplers: list[SequenceSampler], logprob: bool) -> list[Sampled]:
+    """The next token of each row of ``logits`` ([rows, vocab]) by its sampler, none of which
+    has processors or a grammar: one normalization, one top-k for the rows reporting top
+    logprobs, one evaluation (``SequenceSampler.sample`` row by row costs an evaluation per
+    row and one per reported token)."""
+    scores = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    tokens = mx.concatenate([s.draw(scores[i : i + 1]) for i, s in enumerate(samplers)])
+    chosen = mx.take_along_axis(scores, tokens.reshape(-1, 1), axis=-1)
+    k = max(s.top_logprobs for s in samplers)
+    if k:
+        top = mx.argpartition(-scores, k - 1, axis=-1)[:, :k]
+        values = mx.take_along_axis(scores, top, axis=-1)
+        mx.eval(tokens, chosen, top, values)
+        top_ids = cast(list[list[int]], top.tolist())
+        top_values = cast(list[list[float]], values.tolist())
+    else:
+        mx.eval(tokens, chosen)
+    ids, picked = cast(list[int], tokens.tolist()), cast(list[list[float]], chosen.tolist())
+    out = []
+    for i, sampler in enumerate(samplers):
+        best = None
+        if sampler.top_logprobs:
+            pairs = sorted(zip(top_ids[i], top_values[i], strict=True), key=lambda p: -p[1])
+            best = tuple(pairs[: sampler.top_logprobs])
+        out.append(Sampled(ids[i], picked[i][0] if logprob else None, best))
+    return out
+
+
 def constraint_for(grammar: GrammarSpec | None, tokenizer: Any, vocab: int) -> Constraint | None:
     """The matcher of a request's output grammar (None: unconstrained); ValueError names what
     is wrong with the schema."""

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
 from mlxppd.core.protocol.pipeline import regroup
-from mlxppd.engine.sampling import GREEDY, Sampled, SequenceSampler
+from mlxppd.engine.sampling import GREEDY, Sampled, SequenceSampler, sample_rows
 from mlxppd.engine.stage import LoadedStage
 
 
@@ -158,24 +158,24 @@ class StageRunner:
         in its row, and the others their tokens (its failure is not the group's)."""
         logits = self._group_forward(group_id, seqs, x)[:, -1, :]
         samplers = [self._samplers.get(s, GREEDY) for s in seqs]
-        if not any(s.processors or s.top_logprobs or s.constraint for s in samplers):
-            # The common case: one normalization and one evaluation for the whole batch.
-            scores = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            tokens = [sampler.draw(scores[i : i + 1]) for i, sampler in enumerate(samplers)]
-            mx.eval(tokens, scores)
-            out: list[Sampled | RowFailed] = []
-            for i, token in enumerate(tokens):
-                value = cast(int, token.item())
-                logprob = cast(float, scores[i, value].item()) if logprobs else None
-                out.append(Sampled(value, logprob))
-            return out
-        out_rows: list[Sampled | RowFailed] = []
+        # Rows with only a draw (and top logprobs) share one normalization, one top-k and one
+        # evaluation: a row costs a row, not an evaluation of its own. Rows with processors or
+        # a grammar carry state from token to token and are sampled one by one.
+        shared = [i for i, s in enumerate(samplers) if not (s.processors or s.constraint)]
+        out: list[Sampled | RowFailed] = [RowFailed("")] * len(seqs)
+        if shared:
+            rows = mx.array(shared) if len(shared) < len(seqs) else None
+            batch = logits[rows] if rows is not None else logits
+            picked = [samplers[i] for i in shared]
+            for i, row in zip(shared, sample_rows(batch, picked, logprobs), strict=True):
+                out[i] = row
         for i, sampler in enumerate(samplers):
-            try:
-                out_rows.append(sampler.sample(sampler.scores(logits[i : i + 1]), logprobs))
-            except Exception as exc:  # one member's sampler (its grammar, its processors)
-                out_rows.append(RowFailed(str(exc)))
-        return out_rows
+            if sampler.processors or sampler.constraint:
+                try:
+                    out[i] = sampler.sample(sampler.scores(logits[i : i + 1]), logprobs)
+                except Exception as exc:  # one member's sampler (its grammar, its processors)
+                    out[i] = RowFailed(str(exc))
+        return out
 
     @property
     def active(self) -> int:
