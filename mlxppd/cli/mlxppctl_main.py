@@ -22,6 +22,7 @@ _SUBCOMMANDS: tuple[str, ...] = (
     "ctl_node_key",
     "ctl_operator_key",
     "ctl_tls",
+    "ctl_discover",
 )
 
 

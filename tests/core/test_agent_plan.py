@@ -9,6 +9,8 @@ import pytest
 
 from mlxppd.core.agent.desired import desired_state, match_node
 from mlxppd.core.agent.plan import (
+    Advertise,
+    AdvertTarget,
     DesiredState,
     ObservedState,
     RebindStage,
@@ -403,10 +405,12 @@ def test_a_standby_node_wants_a_worker_with_no_layers(tmp_path: Path) -> None:
         kv_budget_bytes=1000,
         cpu_weights=CpuWeights.NATIVE,
     )
+    assert desired.advert == AdvertTarget("spare", "mlxpp-cluster", "10.0.0.4", 19002)
     assert plan(desired, ObservedState()) == (
         UpdateRoster(desired.roster),
         StartStage(desired.stage),
         UpdatePolicy(desired.policy),
+        Advertise(desired.advert),
         SetGeneration("g1"),
     )
 
@@ -433,12 +437,15 @@ def test_a_role_edit_from_stage_to_standby_restarts_the_worker(tmp_path: Path) -
         edited = edited.replace(old, new)
     after = _desired(tmp_path, "stage-1", edited)
     assert before.stage is not None and after.stage is not None and after.stage.standby
-    assert plan(after, running(stage=before.stage, roster=before.roster)) == (
+    advertised = {"advert": before.advert}  # the node id and address stay: so does its advert
+    was = replace(running(stage=before.stage, roster=before.roster), **advertised)
+    assert plan(after, was) == (
         StopStage("this node's role changed from pipeline_stage to standby"),
         StartStage(after.stage),
     )
     # Applied, the standby plans nothing more on later passes.
-    assert plan(after, running(stage=after.stage, roster=after.roster)) == ()
+    now = replace(running(stage=after.stage, roster=after.roster), **advertised)
+    assert plan(after, now) == ()
 
 
 # -- a tensor-parallel rank --------------------------------------------------------------------

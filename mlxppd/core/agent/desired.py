@@ -8,9 +8,16 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
-from mlxppd.core.agent.plan import CoordinatorTarget, DesiredState, StageAddress, StageTarget
+from mlxppd.core.agent.plan import (
+    AdvertTarget,
+    CoordinatorTarget,
+    DesiredState,
+    StageAddress,
+    StageTarget,
+)
 from mlxppd.core.config.cluster import ClusterConfig, Node, NodeRole
 from mlxppd.core.config.host import CLUSTER_FILE, HostSettings, host_tls_files
 from mlxppd.core.errors import ConfigurationError
@@ -81,6 +88,24 @@ def match_node(
 
 
 def desired_state(
+    cluster: ClusterConfig,
+    host: HostSettings,
+    node: Node,
+    model_config: Mapping[str, Any] | None,
+    generation: str,
+    *,
+    allow_loose: bool = False,
+) -> DesiredState:
+    """What ``node`` should run under these files (``roles_state``), and its DNS-SD
+    advertisement (none where mlxppd.toml turns it off)."""
+    desired = roles_state(cluster, host, node, model_config, generation, allow_loose=allow_loose)
+    if not host.dnssd_advertise:
+        return desired
+    advert = AdvertTarget(node.id, cluster.cluster.name, node.host, node.port)
+    return replace(desired, advert=advert)
+
+
+def roles_state(
     cluster: ClusterConfig,
     host: HostSettings,
     node: Node,

@@ -165,6 +165,17 @@ class CoordinatorTarget:
 
 
 @dataclass(frozen=True)
+class AdvertTarget:
+    """This node's DNS-SD advertisement (``runtime/system/dnssd.py``): where and as whom."""
+
+    node_id: str
+    cluster: str
+    host: str
+    """its address in the cluster TOML: the interface it advertises on (loopback: none)"""
+    port: int
+
+
+@dataclass(frozen=True)
 class DesiredState:
     """What the config files say this node should be running."""
 
@@ -176,6 +187,8 @@ class DesiredState:
     coordinator: CoordinatorTarget | None = None
     roster: Roster = Roster()
     """the node keys the cluster TOML lists (``[roster]``)"""
+    advert: AdvertTarget | None = None
+    """this node's DNS-SD advertisement (None: mlxppd.toml turns it off)"""
 
 
 @dataclass(frozen=True)
@@ -193,6 +206,8 @@ class ObservedState:
     roster: Roster | None = None
     """the roster this node's transports believe (None: none yet); last, so the fields
     before it keep their positions"""
+    advert: AdvertTarget | None = None
+    """the advertisement this node keeps on DNS-SD (None: none)"""
 
 
 # -- actions -------------------------------------------------------------------------------------
@@ -265,6 +280,18 @@ class UpdateRoster:
 
 
 @dataclass(frozen=True)
+class Advertise:
+    """Advertise this node on DNS-SD (replacing any advertisement it kept)."""
+
+    target: AdvertTarget
+
+
+@dataclass(frozen=True)
+class StopAdvertising:
+    reason: str
+
+
+@dataclass(frozen=True)
 class SetGeneration:
     """Last: the config generation now in force."""
 
@@ -283,6 +310,8 @@ Action = (
     | ReplanCoordinator
     | UpdatePolicy
     | UpdateRoster
+    | Advertise
+    | StopAdvertising
     | SetGeneration
 )
 
@@ -344,7 +373,8 @@ def _coordinator_actions(
 def plan(desired: DesiredState, observed: ObservedState) -> tuple[Action, ...]:
     """The actions that take ``observed`` to ``desired``, in order: stops first (free the
     ports and memory), then the roster, then the stage, then the coordinator, then the
-    policy, then the generation (only once everything it describes is in force)."""
+    policy, then the DNS-SD advertisement, then the generation (only once everything it
+    describes is in force)."""
     stage = _stage_actions(desired.stage, observed.stage)
     if observed.ring_lost and observed.stage is not None and desired.stage is not None:
         stage = [
@@ -362,6 +392,12 @@ def plan(desired: DesiredState, observed: ObservedState) -> tuple[Action, ...]:
     actions += rest
     if desired.policy != observed.policy:
         actions.append(UpdatePolicy(desired.policy))
+    if desired.advert != observed.advert:
+        # After the roles: a node is found once it serves what it says.
+        if desired.advert is None:
+            actions.append(StopAdvertising("mlxppd.toml turns DNS-SD advertising off"))
+        else:
+            actions.append(Advertise(desired.advert))
     if desired.generation != observed.generation:
         actions.append(SetGeneration(desired.generation))
     return tuple(actions)

@@ -173,6 +173,12 @@ class HostSettings(BaseSettings):
         description="Memory this host's stage may use for parameters and KV cache, bytes; the "
         "elastic partitioner plans within it (unset: no limit).",
     )
+    dnssd_advertise: bool = Field(
+        True,
+        description="Advertise this node on DNS-SD (_mlxpp._tcp on multicast DNS, signed with "
+        "the cluster secret) on the interface of its address in the cluster TOML (never on "
+        "loopback); false where multicast DNS is unwelcome.",
+    )
     log_level: LogLevel = Field("info", description="Log level: debug, info, warning, error.")
     state_dir: str = Field(
         "/var/lib/mlxpp",

@@ -18,6 +18,7 @@ from typing import Any
 
 from mlxppd.core.agent.plan import (
     Action,
+    Advertise,
     CoordinatorTarget,
     ObservedState,
     RebindStage,
@@ -28,6 +29,7 @@ from mlxppd.core.agent.plan import (
     StageTarget,
     StartCoordinator,
     StartStage,
+    StopAdvertising,
     StopCoordinator,
     StopStage,
     UpdateKvBudget,
@@ -44,7 +46,9 @@ from mlxppd.core.partition.launch import cluster_partition_plan, launch_warnings
 from mlxppd.core.profile.model import ModelConfig, profile_from_config
 from mlxppd.core.protocol.control import ReloadReport, StageExtras
 from mlxppd.core.stages import StageSpec
+from mlxppd.engine.cpu_weights import available_memory_bytes
 from mlxppd.engine.prepared_copy import ModelReceiver
+from mlxppd.runtime.agent.advertising import NodeAdvert
 from mlxppd.runtime.agent.model_place import ModelPlace
 from mlxppd.runtime.agent.prepare_job import PrepareJob, Preparer
 from mlxppd.runtime.agent.tensor_follower import FollowerRun
@@ -149,6 +153,8 @@ class NodeRuntime:
         self._pressure: asyncio.Task[None] | None = None
         #: the node keys every transport of this node believes (UpdateRoster replaces them)
         self.roster: RosterBook | None = None
+        #: this node's DNS-SD advertisement (runtime/agent/advertising.py)
+        self.advert = NodeAdvert(available_memory_bytes)
 
     def held_spec(self) -> StageSpec | None:
         """The layers the stage worker holds now: the TOML's, or for a standby the ones the
@@ -171,6 +177,7 @@ class NodeRuntime:
             ring_lost=self.worker is not None and self.worker.ring_lost.is_set(),
             coordinator=self.coordinator,
             pipeline_connected=connected,
+            advert=self.advert.target,
         )
 
     async def apply(self, actions: Sequence[Action], ctx: AgentContext) -> None:
@@ -213,6 +220,10 @@ class NodeRuntime:
                 self.roster = RosterBook(action.roster)
             else:
                 self.roster.update(action.roster)  # a removed node's links close now
+        elif isinstance(action, Advertise):
+            await self.advert.advertise(action.target, ctx.secret.key_bytes())
+        elif isinstance(action, StopAdvertising):
+            await self.advert.stop()
         elif isinstance(action, SetGeneration):
             self.generation = action.generation
 
@@ -511,6 +522,8 @@ class NodeRuntime:
         """Drain and stop whatever runs (shutdown)."""
         await self.preparer.close()
         with contextlib.suppress(Exception):
+            await self.advert.stop()  # gone from the link before it stops answering
+        with contextlib.suppress(Exception):
             await self._stop_coordinator(drain_timeout_s)
         with contextlib.suppress(Exception):
             await self._stop_stage(drain_timeout_s)
@@ -526,6 +539,9 @@ def _describe(action: Action) -> str:
     if isinstance(target, CoordinatorTarget):
         ranges = ",".join(f"{r.start}-{r.last}" for r in target.layers)
         return f"{name} layers {ranges} http {target.http_host}:{target.http_port}"
+    if isinstance(action, Advertise):
+        t = action.target
+        return f"{name} {t.node_id}.{t.cluster} on DNS-SD ({t.host}:{t.port})"
     if isinstance(action, UpdateRoster):
         return f"{name} {len(action.roster)} node keys: {', '.join(action.roster.node_ids())}"
     return f"{name} {getattr(action, 'reason', '') or getattr(action, 'generation', '')}".strip()

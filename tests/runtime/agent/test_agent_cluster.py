@@ -184,6 +184,24 @@ def test_status_shows_every_stage(cluster: Cluster, embedded_model_dir: Path) ->
         assert stage["blas"] == str(blas_in_use())
 
 
+def test_every_agent_advertises_itself_on_dns_sd(cluster: Cluster) -> None:
+    secret = str(cluster.root / "cluster.secret")
+    argv = [str(VENV_BIN / "mlxppctl"), "discover", "--json", "--cluster-name", "netns-test",
+            "--cluster-secret-file", secret, "--timeout", "3"]  # fmt: skip
+    for _ in range(5):  # multicast DNS answers in a second or two: allow a retry
+        done = cluster.hosts.run(1, *argv, timeout=60)
+        seen = json.loads(done.stdout) if done.stdout else {"nodes": []}
+        if len(seen["nodes"]) == len(HOST_NODES):
+            break
+    assert done.returncode == 0, done.stderr
+    assert [n["node_id"] for n in seen["nodes"]] == sorted(HOST_NODES)
+    for node in seen["nodes"]:
+        host = HOST_NODES.index(node["node_id"])
+        assert cluster.hosts.addresses[host] in node["addresses"], node
+        assert node["accelerator"] == "cpu" and node["free_memory_bytes"] > 0
+    assert seen["ignored"] == {}
+
+
 def test_new_layer_ranges_reconcile_without_restart(
     cluster: Cluster, reference: dict[str, str]
 ) -> None:
