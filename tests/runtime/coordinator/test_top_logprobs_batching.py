@@ -127,7 +127,7 @@ def test_requests_reporting_top_logprobs_share_micro_batches_and_answer_as_alone
 
 
 MEMBERS = 12
-PART_TOKENS = 8
+PART_TOKENS = 5
 
 
 def test_a_step_whose_answer_is_too_large_for_one_message_comes_back_in_parts(
