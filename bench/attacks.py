@@ -9,10 +9,10 @@ same run. Prints a markdown table: probe latency p50 and max per attack, the att
 Goal (the hardening issue): no probe waits over 100 ms under any attack.
 
 Then the amplification attacks (issue 41), each beside its baseline in the same run:
-- 4 streaming chat requests of ``n=16`` and ``top_logprobs=20`` from one client (the cluster
-  allows 16 choices here, ``--max-choices-per-request 16``; the default is 4), then another
-  client's 4-token completions, timed. Goal: the bystander within 3x its latency without the
-  attack.
+- 4 streaming chat requests of ``n=4`` (the most the default ``--max-choices-per-request``
+  gives) and of ``n=16`` (the cluster here allows 16) with ``top_logprobs=20`` from one client,
+  then another client's 4-token completions, timed. Goal: the bystander within 3x its latency
+  without the attack.
 - 2,000 requests with a duplicate ``Host`` header: the bytes the log grew by against the bytes
   sent (goal: fewer), and ``mlxpp_http_rejected_total``.
 """
@@ -240,15 +240,20 @@ def amplification(base: str, model_dir: Path, log_path: Path, rounds: int) -> No
     alone = bystander_latencies(base, rounds)
     p50 = statistics.median(alone)
     print(f"| none (baseline) | - | {p50 * 1e3:.0f} | {max(alone) * 1e3:.0f} | 1.00x |")
-    with Amplifier(base, eos_bias(model_dir)) as attack:
-        during = bystander_latencies(base, rounds)
-        answers = ", ".join(str(s) for s in sorted(attack.statuses))
-        in_flight = metric(base, "mlxpp_http_sequences_in_flight")
-    print(
-        f"| 4 x n=16 x top_logprobs=20, streaming ({in_flight:.0f} sequences in flight) | "
-        f"{answers} | {statistics.median(during) * 1e3:.0f} | {max(during) * 1e3:.0f} | "
-        f"{statistics.median(during) / p50:.2f}x |"
-    )
+    # n=4 is the most a request gets at the default --max-choices-per-request; n=16 is the
+    # issue's attack, on a cluster whose operator allows it.
+    for n in (4, 16):
+        with Amplifier(base, eos_bias(model_dir), n=n) as attack:
+            during = bystander_latencies(base, rounds)
+            answers = ", ".join(str(s) for s in sorted(attack.statuses))
+            in_flight = metric(base, "mlxpp_http_sequences_in_flight")
+        print(
+            f"| 4 x n={n} x top_logprobs=20, streaming ({in_flight:.0f} sequences in flight) | "
+            f"{answers} | {statistics.median(during) * 1e3:.0f} | {max(during) * 1e3:.0f} | "
+            f"{statistics.median(during) / p50:.2f}x |"
+        )
+        while metric(base, "mlxpp_http_sequences_in_flight") > 0:  # the closed streams end
+            time.sleep(0.2)
     before_log = log_path.stat().st_size
     before_count = metric(base, "mlxpp_http_rejected_total")
     sent = duplicate_hosts(base, 2000)

@@ -122,24 +122,20 @@ async def admit_sequences(request: web.Request, count: int) -> None:
 def cut_counter(app: web.Application) -> Callable[[str], None] | None:
     """Where the connections cut on ``app``'s clients are counted, by reason: its metrics'
     ``mlxpp_http_connections_cut`` (None when it has no metrics)."""
-    metrics = app[STATE].metrics if STATE in app else None
-    if metrics is None:
-        return None
-    counter = metrics.http_cut
-
-    def count(reason: str) -> None:
-        counter.labels(reason=reason).inc()
-
-    return count
+    return _by_reason(app, "http_cut")
 
 
 def rejected_counter(app: web.Application) -> Callable[[str], None] | None:
     """Where the requests aiohttp refuses on ``app``'s listeners are counted, by reason: its
     metrics' ``mlxpp_http_rejected`` (None when it has no metrics)."""
+    return _by_reason(app, "http_rejected")
+
+
+def _by_reason(app: web.Application, family: str) -> Callable[[str], None] | None:
     metrics = app[STATE].metrics if STATE in app else None
     if metrics is None:
         return None
-    counter = metrics.http_rejected
+    counter = getattr(metrics, family)
 
     def count(reason: str) -> None:
         counter.labels(reason=reason).inc()

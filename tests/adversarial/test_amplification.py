@@ -25,6 +25,7 @@ import httpx
 import pytest
 
 from tests.support.clusters import RunningCluster, start_cluster, wait_gone
+from tests.support.metrics import metric
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -80,16 +81,6 @@ def attacker(cluster: RunningCluster) -> Iterator[httpx.Client]:
 def bystander(cluster: RunningCluster) -> Iterator[httpx.Client]:
     with client_at(cluster, "127.0.0.2") as client:
         yield client
-
-
-def metric(client: httpx.Client, name: str) -> float:
-    """The sum of a counter's or gauge's series in the coordinator's /metrics."""
-    text = client.get("/metrics").text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(name) and not line.startswith("#")
-    )
 
 
 def wait_for(condition: Callable[[], bool], what: str, timeout: float = 120.0) -> None:

@@ -30,6 +30,7 @@ from mlxppd.wire.node_key import NodeKey
 from mlxppd.wire.noise import NoiseHandshake
 from tests.adversarial.bad_requests import one_bad_field, one_bad_message
 from tests.support.clusters import RunningCluster, stage_port_and_pid, start_cluster, wait_gone
+from tests.support.metrics import metric
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -299,16 +300,6 @@ def test_a_forged_newline_in_a_handshakes_cluster_name_is_logged_escaped(
 # -- holding connections and streams, costing the tokenizer, breaking the schema bound ---------
 
 
-def _metric(client: httpx.Client, name: str) -> float:
-    """The sum of a counter's or gauge's series in the coordinator's /metrics."""
-    text = client.get("/metrics").text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(name) and not line.startswith("#")
-    )
-
-
 def _answer_or_close(sock: socket.socket) -> bytes:
     """What the server sends before it closes the connection (a reset counts as closed)."""
     data = b""
@@ -358,7 +349,7 @@ def test_a_stream_whose_reader_stops_is_cut_and_the_others_are_served(
         # Whichever notices first: the stream's full buffer, or on a slow host the listener's
         # write deadline (the socket's buffer full for write_timeout_s).
         return sum(
-            _metric(client, f'mlxpp_http_connections_cut_total{{reason="{reason}"}}')
+            metric(client, f'mlxpp_http_connections_cut_total{{reason="{reason}"}}')
             for reason in ("stream_stalled", "write_timeout")
         )
 
@@ -401,7 +392,7 @@ def test_a_stream_whose_reader_stops_is_cut_and_the_others_are_served(
         while cuts() <= cut_before:
             assert time.monotonic() < deadline, "the stuck stream was never cut"
             time.sleep(0.5)
-        while _metric(client, "mlxpp_active_sequences") > 0:
+        while metric(client, "mlxpp_active_sequences") > 0:
             assert time.monotonic() < deadline, "the cut stream's sequence was never freed"
             time.sleep(0.5)
     finally:
