@@ -34,7 +34,8 @@ node, address = sys.argv[2], sys.argv[3]
 def advert():
     return Advert(node, "lab", 39601, 8 << 30, "cpu", "0.9.0", int(time.time()))
 async def main():
-    advertiser = DnssdAdvertiser(advert, advert_key(secret.key_bytes()), interfaces=[address])
+    interfaces = None if address == "all" else [address]  # all: IPv4 and IPv6, link-local too
+    advertiser = DnssdAdvertiser(advert, advert_key(secret.key_bytes()), interfaces=interfaces)
     await advertiser.start()
     print("ready", flush=True)
     await asyncio.to_thread(sys.stdin.read)
@@ -113,3 +114,25 @@ def test_discover_lists_signed_nodes_and_ignores_a_forged_one(hosts: Hosts, tmp_
     finally:
         for process in (real, forged):
             process.communicate("", timeout=30)
+
+
+def test_a_node_on_ipv6_link_local_is_found_with_its_scope(hosts: Hosts, tmp_path: Path) -> None:
+    secret = tmp_path / "cluster.secret"
+    write_new_secret(secret)
+    node = start(hosts, 1, ADVERTISE, str(secret), "stage-6", "all")
+    try:
+        argv = [str(VENV_BIN / "mlxppctl"), "discover", "--cluster-secret-file", str(secret),
+                "--cluster-name", "lab", "--timeout", "3", "--json"]  # fmt: skip
+        for _ in range(5):
+            done = hosts.run(2, *argv, timeout=60)
+            seen = json.loads(done.stdout) if done.stdout else {"nodes": []}
+            if seen["nodes"]:
+                break
+        assert done.returncode == 0, done.stderr
+        (found,) = seen["nodes"]
+        assert found["node_id"] == "stage-6"
+        assert hosts.addresses[1] in found["addresses"]
+        # The IPv6 link-local address, with the interface it was heard on (a scope to dial).
+        assert any(a.startswith("fe80:") and "%" in a for a in found["addresses"]), found
+    finally:
+        node.communicate("", timeout=30)

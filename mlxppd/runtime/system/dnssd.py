@@ -91,15 +91,16 @@ class DnssdAdvertiser:
             port=advert.port,
             properties=advert_properties(advert, self._key),
             server=f"{advert.node_id}-{advert.cluster}.local.",
-            parsed_addresses=_local_addresses(self._interfaces),
+            # An AAAA record holds no scope: a receiver adds the interface it heard it on.
+            parsed_addresses=[a.split("%")[0] for a in _local_addresses(self._interfaces)],
         )
 
     async def start(self) -> None:
-        from zeroconf import IPVersion
+        from zeroconf import InterfaceChoice, IPVersion
         from zeroconf.asyncio import AsyncZeroconf
 
         zc = AsyncZeroconf(
-            interfaces=self._interfaces or _all_interfaces(), ip_version=IPVersion.All
+            interfaces=self._interfaces or InterfaceChoice.All, ip_version=IPVersion.All
         )
         self._zc = zc
         info = self._info()
@@ -136,7 +137,7 @@ def browse(
     clock: Callable[[], float] = time.time,
 ) -> BrowseResult:
     """The nodes of ``cluster`` advertising on the link within ``timeout_s`` seconds."""
-    from zeroconf import IPVersion, ServiceBrowser, ServiceStateChange, Zeroconf
+    from zeroconf import InterfaceChoice, IPVersion, ServiceBrowser, ServiceStateChange, Zeroconf
 
     names: list[str] = []
     lock = threading.Lock()
@@ -149,7 +150,7 @@ def browse(
                 if name not in names and len(names) < MAX_SERVICES:
                     names.append(name)
 
-    zc = Zeroconf(interfaces=interfaces or _all_interfaces(), ip_version=IPVersion.All)
+    zc = Zeroconf(interfaces=interfaces or InterfaceChoice.All, ip_version=IPVersion.All)
     result = BrowseResult()
     throttle = LogThrottle()
     try:
@@ -180,12 +181,6 @@ def browse(
         zc.close()
     result.found.sort(key=lambda f: f.advert.node_id)
     return result
-
-
-def _all_interfaces() -> list[str]:
-    """Every interface's addresses but loopback's (where there are others): where to listen."""
-    addresses = _local_addresses(None)
-    return addresses or ["127.0.0.1"]
 
 
 def _local_addresses(only: list[str] | None) -> list[str]:
