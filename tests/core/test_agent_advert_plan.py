@@ -14,6 +14,7 @@ from mlxppd.core.agent.plan import (
     StopAdvertising,
     UpdatePolicy,
     UpdateRoster,
+    describe,
     plan,
 )
 from tests.support.agent_states import POLICY, ROSTER, STAGE, running, stage_node
@@ -46,3 +47,8 @@ def test_turning_it_off_stops_advertising() -> None:
     observed = replace(running(STAGE), advert=ADVERT)
     (action,) = plan(stage_node(), observed)
     assert isinstance(action, StopAdvertising) and "off" in action.reason
+
+
+def test_the_log_line_names_the_node_and_where_it_advertises() -> None:
+    assert describe(Advertise(ADVERT)) == "Advertise s1.lab on DNS-SD (10.0.0.3:19002)"
+    assert describe(StopAdvertising("off")) == "StopAdvertising off"

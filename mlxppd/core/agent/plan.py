@@ -401,3 +401,22 @@ def plan(desired: DesiredState, observed: ObservedState) -> tuple[Action, ...]:
     if desired.generation != observed.generation:
         actions.append(SetGeneration(desired.generation))
     return tuple(actions)
+
+
+def describe(action: Action) -> str:
+    """One line for the agent's log: the action and what it acts on."""
+    name = type(action).__name__
+    target = getattr(action, "target", None)
+    if isinstance(target, StageTarget):
+        r = target.layers
+        what = f"stage {target.stage} layers {r.start}-{r.last}" if r else "standby, no layers"
+        return f"{name} {what} on {target.host}:{target.port} ({target.transport})"
+    if isinstance(target, CoordinatorTarget):
+        ranges = ",".join(f"{r.start}-{r.last}" for r in target.layers)
+        return f"{name} layers {ranges} http {target.http_host}:{target.http_port}"
+    if isinstance(action, Advertise):
+        t = action.target
+        return f"{name} {t.node_id}.{t.cluster} on DNS-SD ({t.host}:{t.port})"
+    if isinstance(action, UpdateRoster):
+        return f"{name} {len(action.roster)} node keys: {', '.join(action.roster.node_ids())}"
+    return f"{name} {getattr(action, 'reason', '') or getattr(action, 'generation', '')}".strip()

@@ -35,6 +35,7 @@ from mlxppd.core.agent.plan import (
     UpdateKvBudget,
     UpdatePolicy,
     UpdateRoster,
+    describe,
 )
 from mlxppd.core.config.cluster import ClusterConfig, ElasticPolicy
 from mlxppd.core.config.host import HostSettings
@@ -182,7 +183,7 @@ class NodeRuntime:
 
     async def apply(self, actions: Sequence[Action], ctx: AgentContext) -> None:
         for action in actions:
-            log.info("agent: %s", _describe(action))
+            log.info("agent: %s", describe(action))
             await self._apply(action, ctx)
 
     async def _apply(self, action: Action, ctx: AgentContext) -> None:
@@ -527,21 +528,3 @@ class NodeRuntime:
             await self._stop_coordinator(drain_timeout_s)
         with contextlib.suppress(Exception):
             await self._stop_stage(drain_timeout_s)
-
-
-def _describe(action: Action) -> str:
-    name = type(action).__name__
-    target = getattr(action, "target", None)
-    if isinstance(target, StageTarget):
-        r = target.layers
-        what = f"stage {target.stage} layers {r.start}-{r.last}" if r else "standby, no layers"
-        return f"{name} {what} on {target.host}:{target.port} ({target.transport})"
-    if isinstance(target, CoordinatorTarget):
-        ranges = ",".join(f"{r.start}-{r.last}" for r in target.layers)
-        return f"{name} layers {ranges} http {target.http_host}:{target.http_port}"
-    if isinstance(action, Advertise):
-        t = action.target
-        return f"{name} {t.node_id}.{t.cluster} on DNS-SD ({t.host}:{t.port})"
-    if isinstance(action, UpdateRoster):
-        return f"{name} {len(action.roster)} node keys: {', '.join(action.roster.node_ids())}"
-    return f"{name} {getattr(action, 'reason', '') or getattr(action, 'generation', '')}".strip()
