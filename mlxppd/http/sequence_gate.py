@@ -65,6 +65,11 @@ class SequenceGate:
         self._changed()
         try:
             await asyncio.wait({future}, timeout=self.wait_s)
+        except BaseException:
+            # The handler was cancelled while it waited: give back what it was just given.
+            if future.done() and not future.cancelled():
+                self.release(Held(client, count))
+            raise
         finally:
             self._waiters.pop(request.ticket, None)
             if not future.done():  # its deadline passed, or its handler was cancelled

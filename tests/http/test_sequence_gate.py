@@ -78,3 +78,19 @@ def test_refusals_name_the_reason_and_the_numbers() -> None:
         assert full.value.code == "queue_full"
 
     asyncio.run(scenario())
+
+
+def test_a_waiter_cancelled_just_as_it_was_admitted_gives_the_room_back() -> None:
+    async def scenario() -> None:
+        gate = SequenceGate(4)
+        first = await gate.admit("a", 3)
+        await gate.admit("b", 1)
+        waiting = asyncio.ensure_future(gate.admit("c", 1))
+        await asyncio.sleep(0)
+        gate.release(first)  # c is admitted: its future has its result...
+        waiting.cancel()  # ...and its handler is cancelled before it runs again
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert gate.shares.holding("c") == 0 and gate.shares.in_use == 1
+
+    asyncio.run(scenario())
